@@ -1,0 +1,17 @@
+"""The paged KV cache and the attention entry point models call."""
+
+from kvjax.cache.attention import causal_attention
+from kvjax.cache.attention import decode_attention
+from kvjax.cache.attention import keep_all
+from kvjax.cache.attention import prefill_attention
+from kvjax.cache.paged import EMPTY
+from kvjax.cache.paged import PagedKVCache
+
+__all__ = [
+    "EMPTY",
+    "PagedKVCache",
+    "causal_attention",
+    "decode_attention",
+    "keep_all",
+    "prefill_attention",
+]

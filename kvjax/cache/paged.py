@@ -1,0 +1,265 @@
+"""PagedKVCache: one fixed-shape page pool shared by every (sequence, layer, KV head).
+
+A page holds ``page_size`` consecutive slots of a single (sequence, layer, KV
+head). Each head owns at most ``capacity[l][k] // page_size`` pages; the pool
+holds exactly the pages the capacities need, so a smaller budget is a smaller
+pool (real memory, not a mask). Pages are taken from a free stack when a head
+grows past a page boundary and are given back when a policy frees them.
+
+Every shape depends only on static Python ints (batch, capacities, page size),
+so jitted prefill and decode compile once per configuration.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+EMPTY = -1  # page id of an absent page, original position of an empty slot
+
+
+@struct.dataclass
+class PagedKVCache:
+  """Fixed-shape paged KV state.
+
+  Attributes:
+    k_pages: [P, S_page, H] key pool.
+    v_pages: [P, S_page, H] value pool.
+    positions: [P, S_page] int32 original token position of each slot (-1 empty).
+    page_table: [B, L, K, P_max] int32 page ids per head, -1 where not allocated.
+    lengths: [B, L, K] int32 filled slots per head.
+    free_pages: [P] int32 stack of free page ids; the first ``num_free`` are free.
+    num_free: [] int32.
+    page_size: S_page (static).
+    capacity: slots each (layer, KV head) may hold, [L][K] (static).
+  """
+
+  k_pages: jax.Array
+  v_pages: jax.Array
+  positions: jax.Array
+  page_table: jax.Array
+  lengths: jax.Array
+  free_pages: jax.Array
+  num_free: jax.Array
+  page_size: int = struct.field(pytree_node=False)
+  capacity: tuple[tuple[int, ...], ...] = struct.field(pytree_node=False)
+
+  # ---------------------------------------------------------------- creation
+
+  @classmethod
+  def create(
+      cls,
+      *,
+      batch_size: int,
+      capacity: int | Sequence[int] | Sequence[Sequence[int]],
+      num_layers: int,
+      num_kv_heads: int,
+      head_dim: int,
+      page_size: int = 16,
+      dtype=jnp.float32,
+  ) -> "PagedKVCache":
+    """An empty cache.
+
+    Args:
+      batch_size: B.
+      capacity: slots per head: one int for every (layer, KV head), a sequence
+        of L ints (per layer), or L sequences of K ints (per layer and head).
+        Each must be a positive multiple of ``page_size``.
+      num_layers, num_kv_heads, head_dim: L, K, H.
+      page_size: S_page, slots per page.
+      dtype: dtype of keys and values.
+    """
+    if not isinstance(page_size, int) or page_size <= 0:
+      raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    if not isinstance(batch_size, int) or batch_size <= 0:
+      raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    cap = _capacity_table(capacity, num_layers, num_kv_heads)
+    for l, row in enumerate(cap):
+      for k, c in enumerate(row):
+        if c <= 0 or c % page_size:
+          raise ValueError(
+              f"capacity of layer {l}, KV head {k} is {c}: it must be a "
+              f"positive multiple of page_size {page_size}")
+    pages_per_seq = sum(c // page_size for row in cap for c in row)
+    num_pages = batch_size * pages_per_seq
+    p_max = max(c for row in cap for c in row) // page_size
+    return cls(
+        k_pages=jnp.zeros((num_pages, page_size, head_dim), dtype),
+        v_pages=jnp.zeros((num_pages, page_size, head_dim), dtype),
+        positions=jnp.full((num_pages, page_size), EMPTY, jnp.int32),
+        page_table=jnp.full((batch_size, num_layers, num_kv_heads, p_max), EMPTY, jnp.int32),
+        lengths=jnp.zeros((batch_size, num_layers, num_kv_heads), jnp.int32),
+        # Popped from the end: page 0 is handed out first.
+        free_pages=jnp.arange(num_pages - 1, -1, -1, dtype=jnp.int32),
+        num_free=jnp.asarray(num_pages, jnp.int32),
+        page_size=page_size,
+        capacity=cap,
+    )
+
+  # ---------------------------------------------------------------- shapes
+
+  @property
+  def batch_size(self) -> int:
+    return self.page_table.shape[0]
+
+  @property
+  def num_layers(self) -> int:
+    return self.page_table.shape[1]
+
+  @property
+  def num_kv_heads(self) -> int:
+    return self.page_table.shape[2]
+
+  @property
+  def max_slots(self) -> int:
+    """S: slots of the largest head, the width of per-head slot arrays."""
+    return self.page_table.shape[3] * self.page_size
+
+  @property
+  def num_pages(self) -> int:
+    return self.k_pages.shape[0]
+
+  @property
+  def kv_bytes(self) -> int:
+    """Bytes allocated for keys and values (the page pool)."""
+    return self.k_pages.nbytes + self.v_pages.nbytes
+
+  def capacity_array(self) -> jax.Array:
+    """[L, K] int32 capacity per head (a constant)."""
+    return jnp.asarray(np.array(self.capacity, np.int32))
+
+  # ---------------------------------------------------------------- pages
+
+  def reserve(self, new_lengths: jax.Array) -> "PagedKVCache":
+    """Allocates pages so every head can hold ``new_lengths`` [B, L, K] slots.
+
+    Heads that already own enough pages are unchanged. Asking for more than a
+    head's capacity allocates up to its capacity (writes past it are dropped).
+    """
+    ps = self.page_size
+    cap = self.capacity_array()[None]  # [1, L, K]
+    have = _pages_owned(self.page_table)  # [B, L, K]
+    want = jnp.maximum((jnp.minimum(new_lengths, cap) + ps - 1) // ps, have)
+    j = jnp.arange(self.page_table.shape[-1])
+    grow = (j >= have[..., None]) & (j < want[..., None])  # [B, L, K, P_max]
+    rank = jnp.cumsum(grow.reshape(-1)).reshape(grow.shape) - 1
+    page = self.free_pages[jnp.clip(self.num_free - 1 - rank, 0, self.num_pages - 1)]
+    return self.replace(
+        page_table=jnp.where(grow, page, self.page_table),
+        num_free=self.num_free - grow.sum(dtype=jnp.int32),
+    )
+
+  def release(self, pages: jax.Array) -> "PagedKVCache":
+    """Pushes page ids [M] (-1 entries ignored) back on the free stack.
+
+    The caller removes them from the page table; their slots are marked empty.
+    """
+    valid = pages >= 0
+    rank = jnp.cumsum(valid) - 1
+    target = jnp.where(valid, self.num_free + rank, self.num_pages)
+    return self.replace(
+        free_pages=self.free_pages.at[target].set(pages, mode="drop"),
+        num_free=self.num_free + valid.sum(dtype=jnp.int32),
+        positions=self.positions.at[jnp.where(valid, pages, self.num_pages)].set(
+            EMPTY, mode="drop"),
+    )
+
+  # ---------------------------------------------------------------- writes
+
+  def write(
+      self,
+      layer: jax.Array | int,
+      k: jax.Array,
+      v: jax.Array,
+      slots: jax.Array,
+      positions: jax.Array,
+  ) -> "PagedKVCache":
+    """Writes tokens into slots of one layer; does not change lengths.
+
+    Args:
+      layer: layer index (may be traced).
+      k, v: [B, T, K, H] keys (already rotated) and values.
+      slots: [B, K, T] int32 destination slot of each token per head; -1 (or
+        a slot whose page is not allocated) skips the token.
+      positions: [B, T] int32 original positions of the tokens.
+    """
+    ps = self.page_size
+    table = self.page_table[:, layer]  # [B, K, P_max]
+    p_max = table.shape[-1]
+    page_idx = jnp.clip(slots // ps, 0, p_max - 1)
+    page = jnp.take_along_axis(table, page_idx, axis=-1)  # [B, K, T]
+    ok = (slots >= 0) & (slots < p_max * ps) & (page >= 0)
+    page = jnp.where(ok, page, self.num_pages)  # out of bounds: dropped
+    offset = slots % ps
+    kt = jnp.swapaxes(k, 1, 2).astype(self.k_pages.dtype)  # [B, K, T, H]
+    vt = jnp.swapaxes(v, 1, 2).astype(self.v_pages.dtype)
+    pos = jnp.broadcast_to(positions[:, None, :], slots.shape)
+    return self.replace(
+        k_pages=self.k_pages.at[page, offset].set(kt, mode="drop"),
+        v_pages=self.v_pages.at[page, offset].set(vt, mode="drop"),
+        positions=self.positions.at[page, offset].set(pos, mode="drop"),
+    )
+
+  def append(self, layer, k: jax.Array, v: jax.Array, positions: jax.Array) -> "PagedKVCache":
+    """Appends one token per sequence to every head of a layer.
+
+    Args:
+      k, v: [B, 1, K, H]; positions: [B, 1]. Pages must have been reserved.
+      A head already at capacity drops the token (policies evict first).
+    """
+    lengths = self.lengths[:, layer]  # [B, K]
+    cap = self.capacity_array()[layer][None]  # [1, K]
+    slots = jnp.where(lengths < cap, lengths, EMPTY)[..., None]
+    out = self.write(layer, k, v, slots, positions)
+    return out.replace(lengths=out.lengths.at[:, layer].set(jnp.minimum(lengths + 1, cap)))
+
+  def set_lengths(self, layer, lengths: jax.Array) -> "PagedKVCache":
+    """Sets the filled slots [B, K] of one layer."""
+    return self.replace(lengths=self.lengths.at[:, layer].set(lengths))
+
+  # ---------------------------------------------------------------- reads
+
+  def layer_view(self, layer) -> tuple[jax.Array, jax.Array]:
+    """(page_table [B, K, P_max], lengths [B, K]) of one layer."""
+    return self.page_table[:, layer], self.lengths[:, layer]
+
+  def kept_positions(self) -> jax.Array:
+    """Original position of every kept slot: int32 [B, L, K, S], -1 when empty."""
+    b, l, k, p_max = self.page_table.shape
+    pos = self.positions[jnp.maximum(self.page_table, 0)].reshape(b, l, k, -1)
+    slot = jnp.arange(p_max * self.page_size)
+    return jnp.where(slot < self.lengths[..., None], pos, EMPTY)
+
+
+def _pages_owned(page_table: jax.Array) -> jax.Array:
+  """[B, L, K] number of allocated pages (pages are allocated front to back)."""
+  return (page_table >= 0).sum(axis=-1, dtype=jnp.int32)
+
+
+def _capacity_table(capacity, num_layers: int, num_kv_heads: int) -> tuple[tuple[int, ...], ...]:
+  """Normalises an int, [L] or [L][K] capacity into an [L][K] tuple of ints."""
+  if isinstance(capacity, (int, np.integer)):
+    return tuple((int(capacity),) * num_kv_heads for _ in range(num_layers))
+  rows = list(capacity)
+  if len(rows) != num_layers:
+    raise ValueError(f"capacity has {len(rows)} layers, the model has {num_layers}")
+  table = []
+  for l, row in enumerate(rows):
+    if isinstance(row, (int, np.integer)):
+      table.append((int(row),) * num_kv_heads)
+    else:
+      row = tuple(int(c) for c in row)
+      if len(row) != num_kv_heads:
+        raise ValueError(
+            f"capacity of layer {l} has {len(row)} heads, the model has {num_kv_heads}")
+      table.append(row)
+  return tuple(table)
+
+
+def round_up(n: int, multiple: int) -> int:
+  return multiple * math.ceil(n / multiple)

@@ -1,0 +1,288 @@
+"""Batched generation over the paged cache: jitted prefill, then a while_loop decode.
+
+Prompts are right-padded to a multiple of ``pad_multiple`` tokens, so prompts of
+nearby lengths share one compiled program; each sequence keeps its own length,
+positions and cache lengths. Compiled programs are kept per (static
+configuration, shapes), and compile time is reported apart from run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvjax import backend as backend_lib
+from kvjax import policies as policies_lib
+from kvjax.cache import attention as attention_lib
+from kvjax.cache.paged import PagedKVCache, round_up
+from kvjax.models.lm import LanguageModel
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationStats:
+  """Measurements of one generate call (seconds exclude compilation)."""
+
+  prompt_tokens: tuple[int, ...]  # valid prompt tokens per sequence
+  generated_tokens: tuple[int, ...]  # tokens generated per sequence, stop token included
+  prefill_s: float  # prefill (+ prompt compression) wall time
+  decode_s: float  # decode loop wall time
+  decode_steps: int  # forward passes in the decode loop
+  compile_s: float  # time spent compiling in this call (0 when cached)
+  kv_bytes: int  # bytes allocated for keys and values
+  kv_capacity: tuple[tuple[int, ...], ...]  # slots per (layer, KV head)
+  policy: str
+  budget: int | None
+  backend: str
+
+  @property
+  def decode_tokens_per_s(self) -> float:
+    """Generated tokens per second of decoding, summed over the batch."""
+    return sum(self.generated_tokens) / self.decode_s if self.decode_s > 0 else float("nan")
+
+  @property
+  def decode_ms_per_step(self) -> float:
+    return 1e3 * self.decode_s / self.decode_steps if self.decode_steps else float("nan")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+  texts: list[str]  # decoded continuations (special tokens removed)
+  token_ids: list[list[int]]  # generated ids per sequence, up to and including a stop id
+  stats: GenerationStats
+  cache: Any = None  # the final PagedKVCache (inspect with cache.kept_positions())
+
+
+def generate(
+    lm: LanguageModel,
+    prompts: str | Sequence[str] | Sequence[Sequence[int]],
+    *,
+    policy: str | policies_lib.Policy = "full",
+    budget: int | None = None,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    seed: int = 0,
+    chat_template: bool = False,
+    stop_ids: Sequence[int] | None = None,
+    page_size: int = 16,
+    backend: str = "auto",
+    pad_multiple: int = 64,
+    q_chunk: int = 512,
+) -> GenerationResult:
+  """Generates continuations of a batch of prompts under a KV-cache policy.
+
+  Args:
+    lm: a model from ``kvjax.load``.
+    prompts: one string, a list of strings, or a list of token-id lists.
+    policy: a policy name or object (``kvjax.policies.get``).
+    budget: KV entries per (layer, KV head) for eviction policies; None for "full".
+    max_new_tokens: tokens to generate per sequence (static: sets the output shape).
+    temperature: 0 for greedy decoding, else sampling temperature.
+    top_k: sample among the k most likely tokens (0 = all).
+    seed: sampling seed.
+    chat_template: wrap each string prompt as a user turn of the model's chat template.
+    stop_ids: ids that end a sequence (default: the tokenizer's stop ids).
+    page_size: slots per cache page.
+    backend: "auto", "xla" or "pallas" for paged decode attention.
+    pad_multiple: prompts are right-padded to a multiple of this many tokens.
+    q_chunk: query chunk of prefill attention (bounds its [N, q_chunk, T] logits).
+
+  Returns:
+    GenerationResult with texts, token ids, stats and the final cache.
+  """
+  policy = policies_lib.get(policy)
+  backend = backend_lib.resolve(backend)
+  if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+  if temperature < 0:
+    raise ValueError(f"temperature must be >= 0, got {temperature}")
+  ids = _tokenize(lm, prompts, chat_template)
+  cfg = lm.config
+  lengths = np.array([len(x) for x in ids], np.int32)
+  longest = int(lengths.max())
+  if longest + max_new_tokens > cfg.max_position_embeddings:
+    raise ValueError(
+        f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} exceeds the "
+        f"model's context of {cfg.max_position_embeddings}")
+  t_pad = round_up(longest, pad_multiple)
+  tokens = np.zeros((len(ids), t_pad), np.int32)
+  for i, row in enumerate(ids):
+    tokens[i, :len(row)] = row
+
+  capacity = policy.capacity(
+      budget=budget, prompt_len=t_pad, max_new_tokens=max_new_tokens, page_size=page_size,
+      num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads)
+  cache = PagedKVCache.create(
+      batch_size=len(ids), capacity=capacity, num_layers=cfg.num_layers,
+      num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=page_size,
+      dtype=lm.dtype)
+
+  if stop_ids is None:
+    stop_ids = lm.tokenizer.stop_ids if lm.tokenizer is not None else ()
+  stops = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
+  pad_id = lm.tokenizer.pad_id if lm.tokenizer is not None else 0
+  statics = dict(graphdef=lm.graphdef, policy=policy, budget=budget, q_chunk=q_chunk)
+
+  compile_s = 0.0
+  prefill_args = (lm.params, cache, jnp.asarray(tokens), jnp.asarray(lengths))
+  prefill, dt = _compiled(_prefill, prefill_args, statics)
+  compile_s += dt
+  start = time.perf_counter()
+  cache, first_logits = jax.block_until_ready(prefill(*prefill_args))
+  prefill_s = time.perf_counter() - start
+
+  decode_args = (lm.params, cache, first_logits, jnp.asarray(lengths),
+                 jax.random.key(seed), stops, jnp.float32(temperature), jnp.int32(pad_id))
+  decode, dt = _compiled(
+      _decode, decode_args,
+      dict(statics, max_new_tokens=max_new_tokens, top_k=top_k, backend=backend))
+  compile_s += dt
+  start = time.perf_counter()
+  out, steps, cache = jax.block_until_ready(decode(*decode_args))
+  decode_s = time.perf_counter() - start
+
+  token_ids = [_until_stop(row, set(int(s) for s in stop_ids)) for row in np.asarray(out)]
+  texts = [lm.tokenizer.decode(row) if lm.tokenizer is not None else "" for row in token_ids]
+  stats = GenerationStats(
+      prompt_tokens=tuple(int(n) for n in lengths),
+      generated_tokens=tuple(len(row) for row in token_ids),
+      prefill_s=prefill_s, decode_s=decode_s, decode_steps=int(steps) - 1,
+      compile_s=compile_s, kv_bytes=cache.kv_bytes, kv_capacity=cache.capacity,
+      policy=policy.name, budget=budget, backend=backend)
+  return GenerationResult(texts, token_ids, stats, cache)
+
+
+# ------------------------------------------------------------------ programs
+
+
+def _prefill(params, cache, tokens, lengths, *, graphdef, policy, budget, q_chunk):
+  """Prompt forward pass that fills the cache; returns (cache, logits [B, V])."""
+  model = nnx.merge(graphdef, params)
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  select = policy.select(budget)
+
+  def attend(cache, layer, q, k, v):
+    return attention_lib.prefill_attention(
+        cache, layer, q, k, v, positions, lengths, select=select, q_chunk=q_chunk)
+
+  hidden, cache = model(tokens, positions, cache, attend)
+  last = hidden[jnp.arange(tokens.shape[0]), lengths - 1]  # [B, D]
+  return cache, model.logits(last)
+
+
+def _decode(params, cache, first_logits, lengths, rng, stops, temperature, pad_id, *,
+            graphdef, policy, budget, q_chunk, max_new_tokens, top_k, backend):
+  """Greedy or sampled decoding in one while_loop; returns (tokens [B, M], steps, cache)."""
+  del q_chunk
+  model = nnx.merge(graphdef, params)
+  b = first_logits.shape[0]
+
+  def sample(logits, key):
+    return _sample(logits, key, temperature, top_k)
+
+  rng, key = jax.random.split(rng)
+  first = sample(first_logits, key)
+  out = jnp.full((b, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
+  done = jnp.isin(first, stops)
+
+  def cond(state):
+    step, _, done, _, _ = state
+    return (step < max_new_tokens) & ~jnp.all(done)
+
+  def body(state):
+    step, out, done, cache, rng = state
+    prev = out[:, step - 1]
+    positions = (lengths + step - 1)[:, None]  # [B, 1]
+
+    def attend(cache, layer, q, k, v):
+      return attention_lib.decode_attention(cache, layer, q, k, v, positions, backend=backend)
+
+    cache = policy.before_decode_step(cache, budget)
+    cache = cache.reserve(cache.lengths + 1)
+    hidden, cache = model(prev[:, None], positions, cache, attend)
+    rng, key = jax.random.split(rng)
+    token = jnp.where(done, pad_id, sample(model.logits(hidden[:, 0]), key))
+    out = out.at[:, step].set(token)
+    return step + 1, out, done | jnp.isin(token, stops), cache, rng
+
+  step, out, _, cache, _ = jax.lax.while_loop(cond, body, (jnp.int32(1), out, done, cache, rng))
+  return out, step, cache
+
+
+def _sample(logits, key, temperature, top_k: int):
+  """logits [B, V] -> token ids [B]; greedy where temperature == 0."""
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  scaled = logits / jnp.maximum(temperature, 1e-6)
+  if top_k:
+    kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
+    scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
+  sampled = jax.random.categorical(key, scaled).astype(jnp.int32)
+  return jnp.where(temperature > 0, sampled, greedy)
+
+
+# ------------------------------------------------------------------ compilation
+
+_PROGRAMS: dict = {}
+COMPILE_COUNT = {"prefill": 0, "decode": 0}  # programs compiled so far, per kind
+
+
+def _compiled(fn, args, statics: dict):
+  """The compiled program of ``fn`` for these statics and argument shapes.
+
+  Returns (callable, seconds spent compiling now). The cache argument is
+  donated so XLA updates the page pool in place.
+  """
+  shapes = jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), args)
+  key = (fn.__name__, tuple(sorted(statics.items(), key=lambda kv: kv[0])),
+         jax.tree.structure(args), tuple(jax.tree.leaves(shapes)))
+  if key in _PROGRAMS:
+    return _PROGRAMS[key], 0.0
+  start = time.perf_counter()
+  jitted = jax.jit(functools.partial(fn, **statics), donate_argnums=(1,))
+  program = jitted.lower(*args).compile()
+  _PROGRAMS[key] = program
+  COMPILE_COUNT[fn.__name__.strip("_")] += 1
+  return program, time.perf_counter() - start
+
+
+# ------------------------------------------------------------------ text
+
+
+def _tokenize(lm: LanguageModel, prompts, chat_template: bool) -> list[list[int]]:
+  if isinstance(prompts, str):
+    prompts = [prompts]
+  prompts = list(prompts)
+  if not prompts:
+    raise ValueError("prompts is empty")
+  ids = []
+  for i, p in enumerate(prompts):
+    if isinstance(p, str):
+      if lm.tokenizer is None:
+        raise ValueError("this model has no tokenizer; pass token ids instead of strings")
+      if chat_template:
+        p = lm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
+      row = lm.tokenizer.encode(p)
+    else:
+      row = [int(t) for t in p]
+      if any(t < 0 or t >= lm.config.vocab_size for t in row):
+        raise ValueError(f"prompt {i} has token ids outside [0, {lm.config.vocab_size})")
+    if not row:
+      raise ValueError(f"prompt {i} is empty")
+    ids.append(row)
+  return ids
+
+
+def _until_stop(row: np.ndarray, stops: set[int]) -> list[int]:
+  ids = []
+  for t in row.tolist():
+    ids.append(t)
+    if t in stops:
+      break
+  return ids

