@@ -1,0 +1,320 @@
+"""Loads a Llama-architecture GGUF file into a LlamaConfig and canonical weights.
+
+The canonical weight dict is the one format every loader produces and the model
+consumes: float32 numpy arrays, layers stacked along a leading L axis, matrices
+stored [in, out] so the model computes x @ W. Keys (dimension letters as in
+config.py):
+
+  embed            [V, D]
+  final_norm       [D]
+  lm_head          [D, V]      only when config.tie_embeddings is False
+  layers/attn_norm [L, D]
+  layers/wq        [L, D, N*H]
+  layers/wk        [L, D, K*H]
+  layers/wv        [L, D, K*H]
+  layers/wo        [L, N*H, D]
+  layers/mlp_norm  [L, D]
+  layers/w_gate    [L, D, F]
+  layers/w_up      [L, D, F]
+  layers/w_down    [L, F, D]
+
+Query and key heads use the Hugging Face "rotate half" RoPE layout: llama.cpp
+interleaves the two RoPE halves of each head, and this loader undoes that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any
+
+import gguf
+import numpy as np
+
+from kvjax.models.config import LlamaConfig, RopeScaling
+
+# Per-layer GGUF tensor stem -> canonical key. Every one is required.
+_LAYER_TENSORS = {
+    "attn_norm": "layers/attn_norm",
+    "attn_q": "layers/wq",
+    "attn_k": "layers/wk",
+    "attn_v": "layers/wv",
+    "attn_output": "layers/wo",
+    "ffn_norm": "layers/mlp_norm",
+    "ffn_gate": "layers/w_gate",
+    "ffn_up": "layers/w_up",
+    "ffn_down": "layers/w_down",
+}
+
+# Metadata arrays that are large and already exposed through GGUFTokenizerData;
+# leaving them out of GGUFMetadata.fields keeps that dict small enough to print.
+_BULKY_FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+                 "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFTokenizerData:
+  """Everything a tokenizer needs from GGUF metadata (`tokenizer.ggml.*`)."""
+
+  model: str  # tokenizer.ggml.model: "gpt2" is byte-level BPE, "llama" SentencePiece
+  pre: str | None  # tokenizer.ggml.pre: which pre-tokenizer regexes llama.cpp uses
+  tokens: tuple[str, ...]  # V strings, id -> token
+  merges: tuple[str, ...]  # BPE merges "left right", best first
+  token_types: tuple[int, ...]  # V llama.cpp token types (1 normal, 3 control, 4 user-defined)
+  bos_id: int | None
+  eos_id: int | None
+  pad_id: int | None
+  unk_id: int | None
+  add_bos: bool  # whether llama.cpp prepends BOS when encoding a prompt
+  chat_template: str | None  # jinja2 source shipped with the model
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFMetadata:
+  """What a GGUF file says besides its tensors."""
+
+  path: str
+  architecture: str  # general.architecture
+  name: str  # general.name, or the file name when absent
+  fields: dict[str, Any]  # scalar and small array metadata, raw GGUF keys
+  tokenizer: GGUFTokenizerData
+
+
+def canonical_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+  """The shape every canonical weight must have under `config`."""
+  v, d, l, f = (config.vocab_size, config.hidden_size, config.num_layers,
+                config.intermediate_size)
+  qd = config.num_heads * config.head_dim  # N*H
+  kd = config.num_kv_heads * config.head_dim  # K*H
+  shapes = {
+      "embed": (v, d),
+      "final_norm": (d,),
+      "layers/attn_norm": (l, d),
+      "layers/wq": (l, d, qd),
+      "layers/wk": (l, d, kd),
+      "layers/wv": (l, d, kd),
+      "layers/wo": (l, qd, d),
+      "layers/mlp_norm": (l, d),
+      "layers/w_gate": (l, d, f),
+      "layers/w_up": (l, d, f),
+      "layers/w_down": (l, f, d),
+  }
+  if not config.tie_embeddings:
+    shapes["lm_head"] = (d, v)
+  return shapes
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+  """Undoes llama.cpp's per-head RoPE row interleave of an [out, in] matrix.
+
+  llama.cpp rotates adjacent pairs (x0, x1), (x2, x3)...; Hugging Face and kvjax
+  rotate halves (x_i, x_{i+H/2}). The converter reordered each head's H rows
+  from [half0 | half1] to [h0_0, h1_0, h0_1, h1_1, ...]; this puts them back.
+
+  Args:
+    w: [n_heads*H, D] projection, rows grouped by head.
+    n_heads: N for the query projection, K for the key projection.
+
+  Returns:
+    [n_heads*H, D], same values with each head's rows in rotate-half order.
+  """
+  head_dim = w.shape[0] // n_heads
+  return w.reshape(n_heads, head_dim // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+
+
+def _field_value(field: gguf.ReaderField) -> Any:
+  value = field.contents()
+  # GGUF stores epsilons and bases as float32; printing 1e-05 beats 9.9999997e-06.
+  if field.types and field.types[-1] == gguf.GGUFValueType.FLOAT32:
+    if isinstance(value, list):
+      return [float(str(np.float32(x))) for x in value]
+    return float(str(np.float32(value)))
+  return value
+
+
+def _read_fields(reader: gguf.GGUFReader) -> dict[str, Any]:
+  return {name: _field_value(field) for name, field in reader.fields.items()
+          if not name.startswith("GGUF.")}
+
+
+def _tokenizer_data(reader: gguf.GGUFReader, fields: dict[str, Any]) -> GGUFTokenizerData:
+  def array(name):
+    field = reader.fields.get(name)
+    return tuple(field.contents()) if field is not None else ()
+
+  def opt_int(name):
+    value = fields.get(name)
+    return int(value) if value is not None else None
+
+  return GGUFTokenizerData(
+      model=fields.get("tokenizer.ggml.model", ""),
+      pre=fields.get("tokenizer.ggml.pre"),
+      tokens=array("tokenizer.ggml.tokens"),
+      merges=array("tokenizer.ggml.merges"),
+      token_types=array("tokenizer.ggml.token_type"),
+      bos_id=opt_int("tokenizer.ggml.bos_token_id"),
+      eos_id=opt_int("tokenizer.ggml.eos_token_id"),
+      pad_id=opt_int("tokenizer.ggml.padding_token_id"),
+      unk_id=opt_int("tokenizer.ggml.unknown_token_id"),
+      add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+      chat_template=fields.get("tokenizer.chat_template"),
+  )
+
+
+def _metadata(reader: gguf.GGUFReader, path: str) -> GGUFMetadata:
+  fields = _read_fields(reader)
+  name = fields.get("general.name") or os.path.splitext(os.path.basename(path))[0]
+  return GGUFMetadata(
+      path=path,
+      architecture=fields.get("general.architecture", ""),
+      name=name,
+      fields={k: v for k, v in fields.items() if k not in _BULKY_FIELDS},
+      tokenizer=_tokenizer_data(reader, fields),
+  )
+
+
+def read_gguf_metadata(path: str | os.PathLike) -> GGUFMetadata:
+  """Reads only the metadata (config keys, tokenizer) of a GGUF file; cheap."""
+  path = os.fspath(path)
+  return _metadata(gguf.GGUFReader(path), path)
+
+
+def _llama3_factors(scaling: RopeScaling, head_dim: int, theta: float) -> np.ndarray:
+  """Per-frequency divisors that llama3 rope scaling applies, [H/2]."""
+  inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  wavelen = 2 * math.pi / inv_freq
+  orig = scaling.original_max_position_embeddings
+  smooth = (orig / wavelen - scaling.low_freq_factor) / (
+      scaling.high_freq_factor - scaling.low_freq_factor)
+  smooth = np.clip(smooth, 0.0, 1.0)
+  # smooth 1 keeps a frequency, 0 divides it by factor; in between interpolates.
+  return 1.0 / ((1 - smooth) / scaling.factor + smooth)
+
+
+def _rope_scaling(fields: dict[str, Any], rope_freqs: np.ndarray | None, head_dim: int,
+                  theta: float, path: str) -> RopeScaling | None:
+  kind = fields.get("llama.rope.scaling.type", "none")
+  factor = fields.get("llama.rope.scaling.factor", 1.0)
+  if kind not in ("none", "") and factor != 1.0:
+    raise ValueError(
+        f"{path}: rope scaling type {kind!r} (factor {factor}) is not supported; "
+        "kvjax implements plain RoPE and llama3 scaling (a rope_freqs tensor)")
+  if rope_freqs is None:
+    return None
+  # Llama 3.x GGUFs carry llama3 scaling as a `rope_freqs` tensor of per-frequency
+  # divisors rather than as metadata; recover the parameters that produced it.
+  rope_freqs = np.asarray(rope_freqs, np.float64).reshape(-1)
+  if rope_freqs.shape != (head_dim // 2,):
+    raise ValueError(f"{path}: tensor 'rope_freqs.weight' expected shape "
+                     f"({head_dim // 2},), got {rope_freqs.shape}")
+  if np.allclose(rope_freqs, 1.0):
+    return None
+  orig = int(fields.get("llama.rope.scaling.original_context_length", 8192))
+  for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0)):
+    candidate = RopeScaling(factor=float(rope_freqs.max()), low_freq_factor=low,
+                            high_freq_factor=high, original_max_position_embeddings=orig)
+    if np.allclose(_llama3_factors(candidate, head_dim, theta), rope_freqs, rtol=1e-3):
+      return candidate
+  raise ValueError(f"{path}: tensor 'rope_freqs.weight' does not match llama3 rope "
+                   f"scaling; got factors {rope_freqs.round(3).tolist()}")
+
+
+def _config(meta: GGUFMetadata, tensors: dict[str, gguf.ReaderTensor],
+            rope_freqs: np.ndarray | None) -> LlamaConfig:
+  fields, path = meta.fields, meta.path
+
+  def need(key):
+    full = f"llama.{key}"
+    if full not in fields:
+      raise ValueError(f"{path}: metadata key {full!r} is missing")
+    return fields[full]
+
+  if "token_embd.weight" not in tensors:
+    raise ValueError(f"{path}: required tensor 'token_embd.weight' is missing")
+  # GGUF lists dimensions fastest-first, so the embedding reads [D, V].
+  vocab_size = int(tensors["token_embd.weight"].shape[-1])
+  hidden = int(need("embedding_length"))
+  heads = int(need("attention.head_count"))
+  head_dim = int(fields.get("llama.attention.key_length", hidden // heads))
+  rot_dim = int(fields.get("llama.rope.dimension_count", head_dim))
+  if rot_dim != head_dim:
+    raise ValueError(f"{path}: partial rotary embedding (rope.dimension_count "
+                     f"{rot_dim} vs head_dim {head_dim}) is not supported")
+  theta = float(fields.get("llama.rope.freq_base", 10000.0))
+  return LlamaConfig(
+      vocab_size=vocab_size,
+      hidden_size=hidden,
+      num_layers=int(need("block_count")),
+      num_heads=heads,
+      num_kv_heads=int(fields.get("llama.attention.head_count_kv", heads)),
+      head_dim=head_dim,
+      intermediate_size=int(need("feed_forward_length")),
+      rms_norm_eps=float(fields.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+      rope_theta=theta,
+      rope_scaling=_rope_scaling(fields, rope_freqs, head_dim, theta, path),
+      max_position_embeddings=int(fields.get("llama.context_length", 8192)),
+      tie_embeddings="output.weight" not in tensors,
+      name=meta.name,
+  )
+
+
+def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
+  """A GGUF tensor as float32 in numpy (row-major, slowest dimension first)."""
+  values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+  return np.asarray(values, np.float32).reshape(tuple(reversed(tensor.shape.tolist())))
+
+
+def load_gguf(path: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.ndarray], GGUFMetadata]:
+  """Reads a Llama GGUF file into float32 canonical weights.
+
+  Args:
+    path: a .gguf file whose general.architecture is "llama".
+
+  Returns:
+    (config, weights, metadata): weights as described in the module docstring,
+    metadata with the raw keys and the tokenizer data.
+
+  Raises:
+    ValueError: another architecture, a missing tensor or metadata key, or a
+      tensor whose shape disagrees with the metadata.
+  """
+  path = os.fspath(path)
+  reader = gguf.GGUFReader(path)
+  meta = _metadata(reader, path)
+  if meta.architecture != "llama":
+    raise ValueError(f"{path}: architecture {meta.architecture!r} is not supported; "
+                     "kvjax loads only 'llama' GGUF files")
+  tensors = {t.name: t for t in reader.tensors}
+  rope_freqs = _dequantize(tensors["rope_freqs.weight"]) if "rope_freqs.weight" in tensors else None
+  config = _config(meta, tensors, rope_freqs)
+  shapes = canonical_shapes(config)
+
+  def fetch(name: str, want: tuple[int, ...]) -> np.ndarray:
+    """GGUF tensor `name` as float32 [out, in] (or [D]), shape-checked."""
+    if name not in tensors:
+      raise ValueError(f"{path}: required tensor {name!r} is missing")
+    got = tuple(int(x) for x in reversed(tensors[name].shape.tolist()))
+    if got != want:
+      raise ValueError(f"{path}: tensor {name!r} expected shape {want}, got {got}")
+    return _dequantize(tensors[name])
+
+  weights = {"embed": fetch("token_embd.weight", shapes["embed"]),
+             "final_norm": fetch("output_norm.weight", shapes["final_norm"])}
+  if not config.tie_embeddings:
+    weights["lm_head"] = fetch("output.weight", shapes["lm_head"][::-1]).T.copy()
+
+  # Fill preallocated stacks layer by layer so peak memory stays near one copy.
+  for stem, key in _LAYER_TENSORS.items():
+    weights[key] = np.empty(shapes[key], np.float32)
+  for i in range(config.num_layers):
+    for stem, key in _LAYER_TENSORS.items():
+      per_layer = shapes[key][1:]
+      # GGUF matrices are [out, in]; canonical ones are [in, out].
+      w = fetch(f"blk.{i}.{stem}.weight", per_layer[::-1])
+      if stem == "attn_q":
+        w = unpermute_rope_rows(w, config.num_heads)
+      elif stem == "attn_k":
+        w = unpermute_rope_rows(w, config.num_kv_heads)
+      weights[key][i] = w.T
+  return config, weights, meta

