@@ -74,7 +74,7 @@ def generate(
     page_size: int = 16,
     backend: str = "auto",
     pad_multiple: int = 64,
-    q_chunk: int = 512,
+    attention_block: int = 256,
 ) -> GenerationResult:
   """Generates continuations of a batch of prompts under a KV-cache policy.
 
@@ -92,7 +92,8 @@ def generate(
     page_size: slots per cache page.
     backend: "auto", "xla" or "pallas" for paged decode attention.
     pad_multiple: prompts are right-padded to a multiple of this many tokens.
-    q_chunk: query chunk of prefill attention (bounds its [N, q_chunk, T] logits).
+    attention_block: block size of the prefill's causal attention (its logits
+      are [B, N, block, block] at a time).
 
   Returns:
     GenerationResult with texts, token ids, stats and the final cache.
@@ -128,11 +129,11 @@ def generate(
     stop_ids = lm.tokenizer.stop_ids if lm.tokenizer is not None else ()
   stops = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
   pad_id = lm.tokenizer.pad_id if lm.tokenizer is not None else 0
-  statics = dict(graphdef=lm.graphdef, policy=policy, budget=budget, q_chunk=q_chunk)
+  statics = dict(graphdef=lm.graphdef, policy=policy, budget=budget)
 
   compile_s = 0.0
   prefill_args = (lm.params, cache, jnp.asarray(tokens), jnp.asarray(lengths))
-  prefill, dt = _compiled(_prefill, prefill_args, statics)
+  prefill, dt = _compiled(_prefill, prefill_args, dict(statics, block=attention_block))
   compile_s += dt
   start = time.perf_counter()
   cache, first_logits = jax.block_until_ready(prefill(*prefill_args))
@@ -162,7 +163,7 @@ def generate(
 # ------------------------------------------------------------------ programs
 
 
-def _prefill(params, cache, tokens, lengths, *, graphdef, policy, budget, q_chunk):
+def _prefill(params, cache, tokens, lengths, *, graphdef, policy, budget, block):
   """Prompt forward pass that fills the cache; returns (cache, logits [B, V])."""
   model = nnx.merge(graphdef, params)
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
@@ -170,7 +171,7 @@ def _prefill(params, cache, tokens, lengths, *, graphdef, policy, budget, q_chun
 
   def attend(cache, layer, q, k, v):
     return attention_lib.prefill_attention(
-        cache, layer, q, k, v, positions, lengths, select=select, q_chunk=q_chunk)
+        cache, layer, q, k, v, positions, lengths, select=select, block=block)
 
   hidden, cache = model(tokens, positions, cache, attend)
   last = hidden[jnp.arange(tokens.shape[0]), lengths - 1]  # [B, D]
@@ -178,9 +179,8 @@ def _prefill(params, cache, tokens, lengths, *, graphdef, policy, budget, q_chun
 
 
 def _decode(params, cache, first_logits, lengths, rng, stops, temperature, pad_id, *,
-            graphdef, policy, budget, q_chunk, max_new_tokens, top_k, backend):
+            graphdef, policy, budget, max_new_tokens, top_k, backend):
   """Greedy or sampled decoding in one while_loop; returns (tokens [B, M], steps, cache)."""
-  del q_chunk
   model = nnx.merge(graphdef, params)
   b = first_logits.shape[0]
 

@@ -109,13 +109,20 @@ class WriteTest(absltest.TestCase):
 
 class AttentionEntryPointTest(absltest.TestCase):
 
-  def test_causal_attention_chunked_equals_unchunked(self):
+  def test_causal_attention_equals_dense_softmax(self):
     rng = np.random.default_rng(0)
-    q = jnp.asarray(rng.standard_normal((2, 37, 6, 8)), jnp.float32)
-    k = jnp.asarray(rng.standard_normal((2, 37, 2, 8)), jnp.float32)
-    v = jnp.asarray(rng.standard_normal((2, 37, 2, 8)), jnp.float32)
-    full = attention.causal_attention(q, k, v, q_chunk=64)
-    testing.assert_close(attention.causal_attention(q, k, v, q_chunk=8), full)
+    q = rng.standard_normal((2, 37, 6, 8))
+    k = rng.standard_normal((2, 37, 2, 8))
+    v = rng.standard_normal((2, 37, 2, 8))
+    logits = np.einsum("btkgh,bskh->bkgts", q.reshape(2, 37, 2, 3, 8), k) / np.sqrt(8)
+    logits = np.where(np.tril(np.ones((37, 37), bool)), logits, -np.inf)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    dense = np.einsum("bkgts,bskh->btkgh", weights, v).reshape(2, 37, 6, 8)
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
+    for block in (8, 16, 64):  # partial last block, several blocks, one block
+      testing.assert_close(attention.causal_attention(q, k, v, block=block), dense)
+    full = attention.causal_attention(q, k, v)
     # Hand check of the first query: it sees only key 0, so it returns value 0.
     np.testing.assert_allclose(full[:, 0, :3], jnp.broadcast_to(v[:, 0, :1], (2, 3, 8)),
                                rtol=1e-6)

@@ -5,7 +5,7 @@ A Flax attention layer computes q, k, v (RoPE applied) and hands them here:
   cache, out = prefill_attention(cache, layer, q, k, v, positions, lengths)
   cache, out = decode_attention(cache, layer, q, k, v, positions)
 
-Prefill attends causally inside the prompt (query-chunked: no T x T matrix per
+Prefill attends causally inside the prompt (blockwise: no T x T matrix per
 head) and writes the prompt's keys and values into the cache, through an
 optional ``select`` function that says which slot each token goes to (this is
 where eviction policies plug in; the cache itself knows no policy). Decode
@@ -27,14 +27,18 @@ SelectFn = Callable[..., jax.Array]
 
 
 def causal_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, q_chunk: int = 512
+    q: jax.Array, k: jax.Array, v: jax.Array, *, block: int = 256
 ) -> jax.Array:
-  """Causal GQA attention over a right-padded prompt, chunked over queries.
+  """Causal GQA attention over a right-padded prompt, blockwise (flash-style).
+
+  Queries and keys are cut into blocks of ``block`` tokens; each query block
+  visits only the key blocks at or before it, with an online softmax, so no
+  T x T matrix exists and the masked upper triangle costs nothing.
 
   Args:
     q: [B, T, N, H]; k, v: [B, T, K, H] (RoPE applied). Padding sits after each
       sequence's tokens, so the causal mask alone keeps valid queries clean.
-    q_chunk: queries per chunk; peak logits are [B, N, q_chunk, T].
+    block: tokens per query and key block; peak logits are [B, N, block, block].
 
   Returns:
     [B, T, N, H] in q's dtype.
@@ -42,25 +46,36 @@ def causal_attention(
   b, t, n, h = q.shape
   kh = k.shape[2]
   g = n // kh
-  c = min(q_chunk, t)
-  t_pad = -(-t // c) * c
-  qg = jnp.pad(q, ((0, 0), (0, t_pad - t), (0, 0), (0, 0))).reshape(b, t_pad // c, c, kh, g, h)
-  key_pos = jnp.arange(t)
+  c = min(block, t)
+  num_blocks = -(-t // c)
+  pad = ((0, 0), (0, num_blocks * c - t), (0, 0), (0, 0))
+  qb = jnp.pad(q, pad).astype(jnp.float32).reshape(b, num_blocks, c, kh, g, h) * (h ** -0.5)
+  kb = jnp.pad(k, pad).reshape(b, num_blocks, c, kh, h)
+  vb = jnp.pad(v, pad).reshape(b, num_blocks, c, kh, h)
+  diagonal = jnp.arange(c)[:, None] >= jnp.arange(c)[None, :]  # [C, C]
 
-  def one_chunk(i_and_q):
-    i, q_c = i_and_q  # q_c: [B, C, K, G, H]
-    logits = jnp.einsum("bckgh,btkh->bkgct", q_c, k, preferred_element_type=jnp.float32)
-    logits = logits * (h ** -0.5)
-    query_pos = i * c + jnp.arange(c)
-    mask = key_pos[None, :] <= query_pos[:, None]  # [C, T]
-    logits = jnp.where(mask, logits, -jnp.inf)
-    weights = jax.nn.softmax(logits, axis=-1)
-    return jnp.einsum("bkgct,btkh->bckgh", weights.astype(v.dtype), v,
-                      preferred_element_type=jnp.float32)
+  def query_block(i):
+    qi = qb[:, i]  # [B, C, K, G, H]
 
-  chunks = jnp.swapaxes(qg, 0, 1)  # [T/C, B, C, K, G, H]
-  out = jax.lax.map(one_chunk, (jnp.arange(t_pad // c), chunks))
-  out = jnp.swapaxes(out, 0, 1).reshape(b, t_pad, n, h)[:, :t]
+    def key_block(j, carry):
+      running_max, denom, acc = carry
+      logits = jnp.einsum("bckgh,bskh->bkgcs", qi, kb[:, j], preferred_element_type=jnp.float32)
+      logits = jnp.where((j < i) | diagonal, logits, -jnp.inf)
+      new_max = jnp.maximum(running_max, logits.max(-1))
+      p = jnp.exp(logits - new_max[..., None])
+      rescale = jnp.exp(running_max - new_max)
+      denom = denom * rescale + p.sum(-1)
+      acc = acc * rescale[..., None] + jnp.einsum(
+          "bkgcs,bskh->bkgch", p, vb[:, j], preferred_element_type=jnp.float32)
+      return new_max, denom, acc
+
+    init = (jnp.full((b, kh, g, c), -jnp.inf), jnp.zeros((b, kh, g, c)),
+            jnp.zeros((b, kh, g, c, h)))
+    _, denom, acc = jax.lax.fori_loop(0, i + 1, key_block, init)
+    return acc / denom[..., None]  # [B, K, G, C, H]
+
+  out = jax.lax.map(query_block, jnp.arange(num_blocks))  # [T/C, B, K, G, C, H]
+  out = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, num_blocks * c, n, h)[:, :t]
   return out.astype(q.dtype)
 
 
@@ -82,7 +97,7 @@ def prefill_attention(
     lengths: jax.Array,
     *,
     select: SelectFn = keep_all,
-    q_chunk: int = 512,
+    block: int = 256,
 ) -> tuple[PagedKVCache, jax.Array]:
   """Attends over a prompt and stores what ``select`` keeps.
 
@@ -92,11 +107,12 @@ def prefill_attention(
     q: [B, T, N, H]; k, v: [B, T, K, H]; positions: [B, T] int32.
     lengths: [B] int32 valid prompt tokens per sequence.
     select: returns slots [B, K, T] per token per head (-1 = not kept).
+    block: block size of the causal attention.
 
   Returns:
     (cache with the layer written and its lengths set, out [B, T, N, H]).
   """
-  out = causal_attention(q, k, v, q_chunk=q_chunk)
+  out = causal_attention(q, k, v, block=block)
   slots = select(layer, q, k, v, positions, lengths)
   kept = (jnp.max(slots, axis=-1) + 1).astype(jnp.int32)  # [B, K]: slots fill from 0 upwards
   cache = cache.set_lengths(layer, kept)
