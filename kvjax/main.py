@@ -10,6 +10,7 @@ text and question), the policy and budget, and the decoding length.
 
 from __future__ import annotations
 
+import logging
 import pathlib
 import sys
 
@@ -79,6 +80,8 @@ def main(argv) -> None:
   if len(argv) > 1:
     print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
     sys.exit(2)
+  # absl shows INFO logs; JAX's note about absent TPU/GPU backends is noise here.
+  logging.getLogger("jax").setLevel(logging.WARNING)
   try:
     _run()
   except UsageError as e:
