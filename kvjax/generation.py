@@ -63,6 +63,8 @@ def generate(
     lm: LanguageModel,
     prompts: str | Sequence[str] | Sequence[Sequence[int]],
     *,
+    questions: str | Sequence[str] | Sequence[Sequence[int]] | None = None,
+    query_aware: bool = True,
     policy: str | policies_lib.Policy = "full",
     budget: int | None = None,
     max_new_tokens: int = 64,
@@ -80,9 +82,15 @@ def generate(
 
   Args:
     lm: a model from ``kvjax.load``.
-    prompts: one string, a list of strings, or a list of token-id lists.
+    prompts: one string, a list of strings, or a list of token-id lists (the
+      context, when ``questions`` are given).
+    questions: optional text that follows each prompt. With ``query_aware``
+      the prompt and question are compressed together (the question sits in
+      the observation window); without it the prompt is compressed first and
+      the question appended uncompressed (query-agnostic).
     policy: a policy name or object (``kvjax.policies.get``).
-    budget: KV entries per (layer, KV head) for eviction policies; None for "full".
+    budget: KV entries kept per (layer, KV head) after prefill, sinks and
+      window included; None for "full".
     max_new_tokens: tokens to generate per sequence (static: sets the output shape).
     temperature: 0 for greedy decoding, else sampling temperature.
     top_k: sample among the k most likely tokens (0 = all).
@@ -99,62 +107,88 @@ def generate(
     GenerationResult with texts, token ids, stats and the final cache.
   """
   policy = policies_lib.get(policy)
+  policy.validate(budget)
+  policy = policy.bind(lm.tokenizer)
   backend = backend_lib.resolve(backend)
   if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
   if temperature < 0:
     raise ValueError(f"temperature must be >= 0, got {temperature}")
   ids = _tokenize(lm, prompts, chat_template)
+  question_ids = None
+  if questions is not None:
+    question_ids = _tokenize(lm, questions, False)
+    if len(question_ids) != len(ids):
+      raise ValueError(f"{len(ids)} prompts but {len(question_ids)} questions")
+    if query_aware:
+      ids, question_ids = [p + q for p, q in zip(ids, question_ids)], None
   cfg = lm.config
+  q_lengths = np.array([len(x) for x in question_ids or [[]] * len(ids)], np.int32)
   lengths = np.array([len(x) for x in ids], np.int32)
-  longest = int(lengths.max())
+  longest = int((lengths + q_lengths).max())
   if longest + max_new_tokens > cfg.max_position_embeddings:
     raise ValueError(
         f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} exceeds the "
         f"model's context of {cfg.max_position_embeddings}")
-  t_pad = round_up(longest, pad_multiple)
-  tokens = np.zeros((len(ids), t_pad), np.int32)
-  for i, row in enumerate(ids):
-    tokens[i, :len(row)] = row
+  tokens = _pad(ids, pad_multiple)
+  t_pad = tokens.shape[1]
+  q_tokens = _pad(question_ids, pad_multiple) if question_ids else None
+  q_pad = 0 if q_tokens is None else q_tokens.shape[1]
 
+  budgets = policy.layer_budgets(budget, t_pad, cfg.num_layers)
   capacity = policy.capacity(
-      budget=budget, prompt_len=t_pad, max_new_tokens=max_new_tokens, page_size=page_size,
-      num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads)
+      budget=budget, prompt_len=t_pad, extra_tokens=q_pad, max_new_tokens=max_new_tokens,
+      page_size=page_size, num_layers=cfg.num_layers)
   cache = PagedKVCache.create(
       batch_size=len(ids), capacity=capacity, num_layers=cfg.num_layers,
       num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=page_size,
       dtype=lm.dtype)
+  # Decode-evicting policies hold each head at its budget (+ its question).
+  limit = np.broadcast_to(
+      np.asarray(budgets, np.int32)[None, :, None] + q_lengths[:, None, None],
+      cache.lengths.shape)
 
   if stop_ids is None:
     stop_ids = lm.tokenizer.stop_ids if lm.tokenizer is not None else ()
   stops = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
   pad_id = lm.tokenizer.pad_id if lm.tokenizer is not None else 0
-  statics = dict(graphdef=lm.graphdef, policy=policy, budget=budget)
+  statics = dict(graphdef=lm.graphdef, policy=policy)
 
   compile_s = 0.0
-  prefill_args = (lm.params, cache, jnp.asarray(tokens), jnp.asarray(lengths))
-  prefill, dt = _compiled(_prefill, prefill_args, dict(statics, block=attention_block))
-  compile_s += dt
-  start = time.perf_counter()
-  cache, first_logits = jax.block_until_ready(prefill(*prefill_args))
-  prefill_s = time.perf_counter() - start
+  timed = {}
 
-  decode_args = (lm.params, cache, first_logits, jnp.asarray(lengths),
+  def run(name, fn, args, extra_statics):
+    nonlocal compile_s
+    program, dt = _compiled(fn, args, dict(statics, **extra_statics))
+    compile_s += dt
+    start = time.perf_counter()
+    out = jax.block_until_ready(program(*args))
+    timed[name] = timed.get(name, 0.0) + time.perf_counter() - start
+    return out
+
+  cache, logits = run(
+      "prefill", _prefill, (lm.params, cache, jnp.asarray(tokens), jnp.asarray(lengths)),
+      dict(block=attention_block, budget=budget, budgets=budgets))
+  next_pos = lengths
+  if q_tokens is not None:
+    cache, logits = run(
+        "prefill", _extend,
+        (lm.params, cache, jnp.asarray(q_tokens), jnp.asarray(q_lengths), jnp.asarray(lengths)),
+        {})
+    next_pos = lengths + q_lengths
+
+  decode_args = (lm.params, cache, logits, jnp.asarray(next_pos), jnp.asarray(limit),
                  jax.random.key(seed), stops, jnp.float32(temperature), jnp.int32(pad_id))
-  decode, dt = _compiled(
-      _decode, decode_args,
-      dict(statics, max_new_tokens=max_new_tokens, top_k=top_k, backend=backend))
-  compile_s += dt
-  start = time.perf_counter()
-  out, steps, cache = jax.block_until_ready(decode(*decode_args))
-  decode_s = time.perf_counter() - start
+  out, steps, cache = run(
+      "decode", _decode, decode_args,
+      dict(max_new_tokens=max_new_tokens, top_k=top_k, backend=backend))
 
   token_ids = [_until_stop(row, set(int(s) for s in stop_ids)) for row in np.asarray(out)]
   texts = [lm.tokenizer.decode(row) if lm.tokenizer is not None else "" for row in token_ids]
   stats = GenerationStats(
-      prompt_tokens=tuple(int(n) for n in lengths),
+      prompt_tokens=tuple(int(n) for n in lengths + q_lengths),
       generated_tokens=tuple(len(row) for row in token_ids),
-      prefill_s=prefill_s, decode_s=decode_s, decode_steps=int(steps) - 1,
+      prefill_s=timed["prefill"], decode_s=timed["decode"], decode_steps=int(steps) - 1,
       compile_s=compile_s, kv_bytes=cache.kv_bytes, kv_capacity=cache.capacity,
       policy=policy.name, budget=budget, backend=backend)
   return GenerationResult(texts, token_ids, stats, cache)
@@ -163,23 +197,37 @@ def generate(
 # ------------------------------------------------------------------ programs
 
 
-def _prefill(params, cache, tokens, lengths, *, graphdef, policy, budget, block):
-  """Prompt forward pass that fills the cache; returns (cache, logits [B, V])."""
+def _prefill(params, cache, tokens, lengths, *, graphdef, policy, block, budget, budgets):
+  """Prompt forward pass that fills (and compresses) the cache; returns (cache, logits [B, V])."""
   model = nnx.merge(graphdef, params)
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-  select = policy.select(budget)
+  select = policy.select(budget, budgets)
 
   def attend(cache, layer, q, k, v):
     return attention_lib.prefill_attention(
-        cache, layer, q, k, v, positions, lengths, select=select, block=block)
+        cache, layer, q, k, v, positions, lengths, tokens=tokens, select=select, block=block)
 
   hidden, cache = model(tokens, positions, cache, attend)
   last = hidden[jnp.arange(tokens.shape[0]), lengths - 1]  # [B, D]
   return cache, model.logits(last)
 
 
-def _decode(params, cache, first_logits, lengths, rng, stops, temperature, pad_id, *,
-            graphdef, policy, budget, max_new_tokens, top_k, backend):
+def _extend(params, cache, tokens, lengths, offsets, *, graphdef, policy):
+  """Appends a chunk (the question) to the cache uncompressed; returns (cache, logits [B, V])."""
+  del policy
+  model = nnx.merge(graphdef, params)
+  positions = offsets[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+
+  def attend(cache, layer, q, k, v):
+    return attention_lib.extend_attention(cache, layer, q, k, v, positions, lengths)
+
+  hidden, cache = model(tokens, positions, cache, attend)
+  last = hidden[jnp.arange(tokens.shape[0]), lengths - 1]
+  return cache, model.logits(last)
+
+
+def _decode(params, cache, first_logits, next_pos, limit, rng, stops, temperature, pad_id, *,
+            graphdef, policy, max_new_tokens, top_k, backend):
   """Greedy or sampled decoding in one while_loop; returns (tokens [B, M], steps, cache)."""
   model = nnx.merge(graphdef, params)
   b = first_logits.shape[0]
@@ -199,12 +247,13 @@ def _decode(params, cache, first_logits, lengths, rng, stops, temperature, pad_i
   def body(state):
     step, out, done, cache, rng = state
     prev = out[:, step - 1]
-    positions = (lengths + step - 1)[:, None]  # [B, 1]
+    positions = (next_pos + step - 1)[:, None]  # [B, 1]
 
     def attend(cache, layer, q, k, v):
-      return attention_lib.decode_attention(cache, layer, q, k, v, positions, backend=backend)
+      return attention_lib.decode_attention(cache, layer, q, k, v, positions, backend=backend,
+                                            accumulate=policy.accumulates_attention)
 
-    cache = policy.before_decode_step(cache, budget)
+    cache = policy.before_decode_step(cache, limit, positions[:, 0])
     cache = cache.reserve(cache.lengths + 1)
     hidden, cache = model(prev[:, None], positions, cache, attend)
     rng, key = jax.random.split(rng)
@@ -230,7 +279,7 @@ def _sample(logits, key, temperature, top_k: int):
 # ------------------------------------------------------------------ compilation
 
 _PROGRAMS: dict = {}
-COMPILE_COUNT = {"prefill": 0, "decode": 0}  # programs compiled so far, per kind
+COMPILE_COUNT = {"prefill": 0, "extend": 0, "decode": 0}  # programs compiled so far, per kind
 
 
 def _compiled(fn, args, statics: dict):
@@ -277,6 +326,14 @@ def _tokenize(lm: LanguageModel, prompts, chat_template: bool) -> list[list[int]
       raise ValueError(f"prompt {i} is empty")
     ids.append(row)
   return ids
+
+
+def _pad(rows: list[list[int]], multiple: int) -> np.ndarray:
+  """Right-pads token rows to one length, a multiple of ``multiple``: [B, T] int32."""
+  tokens = np.zeros((len(rows), round_up(max(len(r) for r in rows), multiple)), np.int32)
+  for i, row in enumerate(rows):
+    tokens[i, :len(row)] = row
+  return tokens
 
 
 def _until_stop(row: np.ndarray, stops: set[int]) -> list[int]:

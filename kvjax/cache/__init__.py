@@ -1,7 +1,10 @@
-"""The paged KV cache and the attention entry point models call."""
+"""The paged KV cache and the attention entry points models call."""
 
+from kvjax.cache.attention import Prompt
+from kvjax.cache.attention import SelectFn
 from kvjax.cache.attention import causal_attention
 from kvjax.cache.attention import decode_attention
+from kvjax.cache.attention import extend_attention
 from kvjax.cache.attention import keep_all
 from kvjax.cache.attention import prefill_attention
 from kvjax.cache.paged import EMPTY
@@ -10,8 +13,11 @@ from kvjax.cache.paged import PagedKVCache
 __all__ = [
     "EMPTY",
     "PagedKVCache",
+    "Prompt",
+    "SelectFn",
     "causal_attention",
     "decode_attention",
+    "extend_attention",
     "keep_all",
     "prefill_attention",
 ]

@@ -14,16 +14,26 @@ appends one token per sequence and attends over the paged cache.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from kvjax import backend as backend_lib
 from kvjax.cache.paged import EMPTY, PagedKVCache
+from kvjax.kernels.paged_attention import gather_pages
 
-# select(layer, q, k, v, positions, lengths) -> slots [B, K, T] (-1 = drop).
-SelectFn = Callable[..., jax.Array]
+
+class Prompt(NamedTuple):
+  """The prompt of a prefill, as a select function sees it."""
+
+  tokens: jax.Array | None  # [B, T] int32 token ids (None if unknown)
+  positions: jax.Array  # [B, T] int32
+  lengths: jax.Array  # [B] int32 valid tokens per sequence (right padding after)
+
+
+# select(layer, prompt, q, k, v) -> (slots [B, K, T] (-1 = drop), slot scores [B, K, T] | None).
+SelectFn = Callable[..., tuple[jax.Array, jax.Array | None]]
 
 
 def causal_attention(
@@ -79,12 +89,16 @@ def causal_attention(
   return out.astype(q.dtype)
 
 
-def keep_all(layer, q, k, v, positions, lengths) -> jax.Array:
-  """The full policy's select: token t goes to slot t of every head."""
-  del layer, q, v, positions
+def keep_all(layer, prompt: Prompt, q, k, v) -> jax.Array:
+  """Slots that keep every prompt token: token t goes to slot t of every head."""
+  del layer, q, v
   b, t, kh, _ = k.shape
   slots = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, kh, t))
-  return jnp.where(slots < lengths[:, None, None], slots, EMPTY)
+  return jnp.where(slots < prompt.lengths[:, None, None], slots, EMPTY)
+
+
+def _keep_all_select(layer, prompt, q, k, v):
+  return keep_all(layer, prompt, q, k, v), None
 
 
 def prefill_attention(
@@ -96,7 +110,8 @@ def prefill_attention(
     positions: jax.Array,
     lengths: jax.Array,
     *,
-    select: SelectFn = keep_all,
+    tokens: jax.Array | None = None,
+    select: SelectFn = _keep_all_select,
     block: int = 256,
 ) -> tuple[PagedKVCache, jax.Array]:
   """Attends over a prompt and stores what ``select`` keeps.
@@ -106,18 +121,64 @@ def prefill_attention(
     layer: layer index (may be traced).
     q: [B, T, N, H]; k, v: [B, T, K, H]; positions: [B, T] int32.
     lengths: [B] int32 valid prompt tokens per sequence.
-    select: returns slots [B, K, T] per token per head (-1 = not kept).
+    tokens: [B, T] token ids, for select functions that look at the text.
+    select: returns slots [B, K, T] per token per head (-1 = not kept) and
+      optional per-slot scores to store (default: keep every token).
     block: block size of the causal attention.
 
   Returns:
     (cache with the layer written and its lengths set, out [B, T, N, H]).
   """
   out = causal_attention(q, k, v, block=block)
-  slots = select(layer, q, k, v, positions, lengths)
+  slots, scores = select(layer, Prompt(tokens, positions, lengths), q, k, v)
   kept = (jnp.max(slots, axis=-1) + 1).astype(jnp.int32)  # [B, K]: slots fill from 0 upwards
   cache = cache.set_lengths(layer, kept)
   cache = cache.reserve(cache.lengths)
-  return cache.write(layer, k, v, slots, positions), out
+  return cache.write(layer, k, v, slots, positions, scores), out
+
+
+def extend_attention(
+    cache: PagedKVCache,
+    layer,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    lengths: jax.Array,
+) -> tuple[PagedKVCache, jax.Array]:
+  """Appends a chunk of tokens to a filled cache, attending to it and to itself.
+
+  Each chunk token sees every cached entry of its head (all of them precede
+  the chunk) and the chunk tokens up to itself. Nothing is evicted.
+
+  Args:
+    q: [B, C, N, H]; k, v: [B, C, K, H]; positions: [B, C] int32.
+    lengths: [B] int32 valid chunk tokens per sequence (right padding after).
+
+  Returns:
+    (cache with the chunk appended, out [B, C, N, H]).
+  """
+  b, c, n, h = q.shape
+  kh = k.shape[2]
+  table, cached = cache.layer_view(layer)
+  keys = gather_pages(cache.k_pages, table).astype(jnp.float32)  # [B, K, S, H]
+  values = gather_pages(cache.v_pages, table).astype(jnp.float32)
+  qg = q.astype(jnp.float32).reshape(b, c, kh, n // kh, h) * (h ** -0.5)
+  old = jnp.einsum("bckgh,bksh->bkgcs", qg, keys)
+  old = jnp.where((jnp.arange(keys.shape[2]) < cached[..., None])[:, :, None, None, :], old,
+                  -jnp.inf)
+  new = jnp.einsum("bckgh,bskh->bkgcs", qg, k.astype(jnp.float32))
+  new = jnp.where(jnp.tril(jnp.ones((c, c), bool)), new, -jnp.inf)
+  weights = jax.nn.softmax(jnp.concatenate([old, new], axis=-1), axis=-1)
+  s = keys.shape[2]
+  out = (jnp.einsum("bkgcs,bksh->bckgh", weights[..., :s], values)
+         + jnp.einsum("bkgcs,bskh->bckgh", weights[..., s:], v.astype(jnp.float32)))
+  valid = jnp.arange(c)[None, :] < lengths[:, None]  # [B, C]
+  slots = jnp.where(valid[:, None, :], cached[..., None] + jnp.arange(c), EMPTY)  # [B, K, C]
+  cache = cache.set_lengths(layer, cached + lengths[:, None])
+  cache = cache.reserve(cache.lengths)
+  cache = cache.write(layer, k, v, slots, positions)
+  return cache, out.reshape(b, c, n, h).astype(q.dtype)
 
 
 def decode_attention(
@@ -129,12 +190,15 @@ def decode_attention(
     positions: jax.Array,
     *,
     backend: str = "xla",
+    accumulate: bool = False,
 ) -> tuple[PagedKVCache, jax.Array]:
   """Appends one token per sequence, then attends over the layer's pages.
 
   Args:
     q: [B, 1, N, H]; k, v: [B, 1, K, H]; positions: [B, 1] int32.
     backend: "xla" or "pallas" (see kvjax.backend).
+    accumulate: add the attention each slot receives (mean over the query
+      heads of its KV head) to ``cache.scores`` (H2O-style policies).
 
   Returns:
     (cache, out [B, 1, N, H]).
@@ -142,5 +206,17 @@ def decode_attention(
   cache = cache.append(layer, k, v, positions)
   table, lengths = cache.layer_view(layer)
   attend = backend_lib.paged_attention_fn(backend)
-  out = attend(q[:, 0], cache.k_pages, cache.v_pages, table, lengths)
+  if not accumulate:
+    out = attend(q[:, 0], cache.k_pages, cache.v_pages, table, lengths)
+    return cache, out[:, None]
+  out, weights, _ = attend(q[:, 0], cache.k_pages, cache.v_pages, table, lengths,
+                           return_weights=True)
+  b, n, s = weights.shape
+  kh = table.shape[1]
+  received = weights.reshape(b, kh, n // kh, s).mean(2)  # [B, K, S]
+  ps = cache.page_size
+  page = jnp.maximum(table, 0)[..., None].repeat(ps, -1).reshape(b, kh, s)
+  page = jnp.where(jnp.arange(s) < lengths[..., None], page, cache.num_pages)
+  offset = jnp.broadcast_to(jnp.arange(s) % ps, (b, kh, s))
+  cache = cache.replace(scores=cache.scores.at[page, offset].add(received, mode="drop"))
   return cache, out[:, None]

@@ -31,6 +31,8 @@ class PagedKVCache:
     k_pages: [P, S_page, H] key pool.
     v_pages: [P, S_page, H] value pool.
     positions: [P, S_page] int32 original token position of each slot (-1 empty).
+    scores: [P, S_page] float32 per-slot statistic kept by policies that need one
+      (e.g. the attention a slot has received, for H2O); zero otherwise.
     page_table: [B, L, K, P_max] int32 page ids per head, -1 where not allocated.
     lengths: [B, L, K] int32 filled slots per head.
     free_pages: [P] int32 stack of free page ids; the first ``num_free`` are free.
@@ -42,6 +44,7 @@ class PagedKVCache:
   k_pages: jax.Array
   v_pages: jax.Array
   positions: jax.Array
+  scores: jax.Array
   page_table: jax.Array
   lengths: jax.Array
   free_pages: jax.Array
@@ -92,6 +95,7 @@ class PagedKVCache:
         k_pages=jnp.zeros((num_pages, page_size, head_dim), dtype),
         v_pages=jnp.zeros((num_pages, page_size, head_dim), dtype),
         positions=jnp.full((num_pages, page_size), EMPTY, jnp.int32),
+        scores=jnp.zeros((num_pages, page_size), jnp.float32),
         page_table=jnp.full((batch_size, num_layers, num_kv_heads, p_max), EMPTY, jnp.int32),
         lengths=jnp.zeros((batch_size, num_layers, num_kv_heads), jnp.int32),
         # Popped from the end: page 0 is handed out first.
@@ -178,6 +182,7 @@ class PagedKVCache:
       v: jax.Array,
       slots: jax.Array,
       positions: jax.Array,
+      scores: jax.Array | None = None,
   ) -> "PagedKVCache":
     """Writes tokens into slots of one layer; does not change lengths.
 
@@ -187,6 +192,7 @@ class PagedKVCache:
       slots: [B, K, T] int32 destination slot of each token per head; -1 (or
         a slot whose page is not allocated) skips the token.
       positions: [B, T] int32 original positions of the tokens.
+      scores: optional [B, K, T] float32 per-slot statistics to store (else 0).
     """
     ps = self.page_size
     table = self.page_table[:, layer]  # [B, K, P_max]
@@ -199,10 +205,12 @@ class PagedKVCache:
     kt = jnp.swapaxes(k, 1, 2).astype(self.k_pages.dtype)  # [B, K, T, H]
     vt = jnp.swapaxes(v, 1, 2).astype(self.v_pages.dtype)
     pos = jnp.broadcast_to(positions[:, None, :], slots.shape)
+    scores = jnp.zeros(slots.shape, jnp.float32) if scores is None else scores
     return self.replace(
         k_pages=self.k_pages.at[page, offset].set(kt, mode="drop"),
         v_pages=self.v_pages.at[page, offset].set(vt, mode="drop"),
         positions=self.positions.at[page, offset].set(pos, mode="drop"),
+        scores=self.scores.at[page, offset].set(scores.astype(jnp.float32), mode="drop"),
     )
 
   def append(self, layer, k: jax.Array, v: jax.Array, positions: jax.Array) -> "PagedKVCache":
@@ -217,6 +225,33 @@ class PagedKVCache:
     slots = jnp.where(lengths < cap, lengths, EMPTY)[..., None]
     out = self.write(layer, k, v, slots, positions)
     return out.replace(lengths=out.lengths.at[:, layer].set(jnp.minimum(lengths + 1, cap)))
+
+  def remove(self, slots: jax.Array) -> "PagedKVCache":
+    """Evicts one slot per head, [B, L, K] (-1 = none), keeping slots dense.
+
+    The head's last filled slot moves into the evicted one (order inside a head
+    carries no meaning: each slot records its original position), so the head
+    holds one entry fewer and its next append lands at the end.
+    """
+    ps = self.page_size
+    last = self.lengths - 1
+    evict = (slots >= 0) & (slots <= last)
+
+    def locate(slot):  # [B, L, K] slot -> flat (page, offset) index into the pool
+      page = jnp.take_along_axis(self.page_table, (jnp.maximum(slot, 0) // ps)[..., None], -1)
+      return page[..., 0], jnp.maximum(slot, 0) % ps
+
+    src_page, src_off = locate(last)
+    dst_page, dst_off = locate(slots)
+    dst_page = jnp.where(evict, dst_page, self.num_pages)  # dropped
+    move = lambda pool: pool.at[dst_page, dst_off].set(pool[src_page, src_off], mode="drop")
+    cleared = lambda pool, fill: pool.at[jnp.where(evict, src_page, self.num_pages),
+                                         src_off].set(fill, mode="drop")
+    positions = cleared(move(self.positions), EMPTY)
+    return self.replace(
+        k_pages=move(self.k_pages), v_pages=move(self.v_pages),
+        positions=positions, scores=cleared(move(self.scores), 0.0),
+        lengths=self.lengths - evict.astype(jnp.int32))
 
   def set_lengths(self, layer, lengths: jax.Array) -> "PagedKVCache":
     """Sets the filled slots [B, K] of one layer."""

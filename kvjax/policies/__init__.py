@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvjax.policies.baselines import ChunkKV
+from kvjax.policies.baselines import H2O
+from kvjax.policies.baselines import KNorm
+from kvjax.policies.baselines import PyramidKV
+from kvjax.policies.baselines import SentenceKV
+from kvjax.policies.baselines import SnapKV
+from kvjax.policies.baselines import StreamingLLM
+from kvjax.policies.baselines import delimiter_ids
 from kvjax.policies.base import Full
 from kvjax.policies.base import Policy
 
-_REGISTRY: dict[str, type[Policy]] = {cls.name: cls for cls in (Full,)}
+_REGISTRY: dict[str, type[Policy]] = {
+    cls.name: cls
+    for cls in (Full, StreamingLLM, SnapKV, PyramidKV, KNorm, H2O, ChunkKV, SentenceKV)
+}
 
 
 def names() -> list[str]:
@@ -34,4 +45,17 @@ def get(name: str | Policy, **fields) -> Policy:
   return cls(**fields)
 
 
-__all__ = ["Full", "Policy", "get", "names"]
+__all__ = [
+    "ChunkKV",
+    "Full",
+    "H2O",
+    "KNorm",
+    "Policy",
+    "PyramidKV",
+    "SentenceKV",
+    "SnapKV",
+    "StreamingLLM",
+    "delimiter_ids",
+    "get",
+    "names",
+]

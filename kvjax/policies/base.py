@@ -1,9 +1,10 @@
 """What every eviction policy provides to generation.
 
-A policy is a frozen dataclass (hashable, so jit treats it as static). It says
-how many slots each (layer, KV head) needs for a static budget, which prompt
-tokens to keep at prefill (a ``select`` function handed to the cache's
-attention entry point) and what to do before each decode step.
+A policy is a frozen dataclass (hashable, so jit treats it as static): its
+fields are its hyper-parameters. It says how many entries each layer keeps for
+a static budget, which prompt tokens to keep at prefill (a ``select`` function
+handed to the cache's attention entry point) and what to do before each decode
+step. Policies compose the shared stages of ``scoring`` and ``selection``.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ import dataclasses
 from typing import ClassVar
 
 import jax
+import jax.numpy as jnp
 
 from kvjax.cache import attention as attention_lib
 from kvjax.cache.paged import PagedKVCache, round_up
+from kvjax.policies import selection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,20 +25,85 @@ class Policy:
   """Base class. Subclasses set ``name`` and override what they change."""
 
   name: ClassVar[str] = ""
+  # Evicts during decode so the cache never grows past its budget.
+  evicts_during_decode: ClassVar[bool] = False
+  # Keeps, per slot, the attention it received (cache.scores), updated each decode step.
+  accumulates_attention: ClassVar[bool] = False
+  # Entries that are always kept and count against the budget (sinks + window).
+  def reserved(self) -> int:
+    return 0
 
-  def capacity(self, *, budget: int | None, prompt_len: int, max_new_tokens: int,
-               page_size: int, num_layers: int, num_kv_heads: int):
-    """Slots per (layer, KV head): an int, [L] or [L][K], each a multiple of page_size."""
+  def bind(self, tokenizer) -> "Policy":
+    """This policy with what it needs from the tokenizer filled in (default: itself)."""
+    del tokenizer
+    return self
+
+  def validate(self, budget: int | None) -> None:
+    """Raises ValueError for a budget this policy cannot honour."""
+    if budget is None:
+      raise ValueError(f"policy {self.name!r} needs a budget (KV entries per layer and KV head)")
+    if not isinstance(budget, int) or budget <= 0:
+      raise ValueError(f"budget must be a positive int, got {budget!r}")
+    if budget <= self.reserved():
+      raise ValueError(
+          f"budget {budget} must exceed the {self.reserved()} entries policy {self.name!r} "
+          f"always keeps (sinks + observation window)")
+
+  def layer_budgets(self, budget: int, prompt_len: int, num_layers: int) -> tuple[int, ...]:
+    """Entries each layer keeps after prefill (default: the budget everywhere)."""
+    del prompt_len
+    return (budget,) * num_layers
+
+  def capacity(self, *, budget: int | None, prompt_len: int, extra_tokens: int,
+               max_new_tokens: int, page_size: int, num_layers: int):
+    """Slots per layer (a multiple of page_size).
+
+    ``extra_tokens`` are appended after compression without being compressed
+    (the question, in query-agnostic mode).
+    """
+    budgets = self.layer_budgets(budget, prompt_len, num_layers)
+    grow = 0 if self.evicts_during_decode else max_new_tokens
+    return tuple(round_up(b + extra_tokens + grow, page_size) for b in budgets)
+
+  def select(self, budget: int | None, layer_budgets: tuple[int, ...]) -> attention_lib.SelectFn:
+    """The prefill keep rule: select(layer, prompt, q, k, v) -> (slots, slot scores | None)."""
+    max_budget = max(layer_budgets)
+    table = jnp.asarray(layer_budgets, jnp.int32)
+
+    def select(layer, prompt, q, k, v):
+      scores = self.score(prompt, q, k, v)
+      keep = self.keep(scores, prompt, table[layer], max_budget)
+      slots = selection.slots_from_keep(keep)
+      return slots, (scores if self.accumulates_attention else None)
+
+    return select
+
+  def score(self, prompt: attention_lib.Prompt, q, k, v) -> jax.Array:
+    """Token scores [B, K, T], higher = keep; -inf on padding."""
     raise NotImplementedError
 
-  def select(self, budget: int | None) -> attention_lib.SelectFn:
-    """The prefill keep rule: select(layer, q, k, v, positions, lengths) -> slots [B, K, T]."""
-    return attention_lib.keep_all
+  def keep(self, scores, prompt, budget, max_budget: int) -> jax.Array:
+    """Keep mask [B, K, T] from scores (default: top ``budget`` per head)."""
+    del prompt
+    return selection.keep_top(scores, budget, max_budget)
 
-  def before_decode_step(self, cache: PagedKVCache, budget: int | None) -> PagedKVCache:
-    """Runs before each decode step's append (decode-time eviction). Default: nothing."""
-    del budget
-    return cache
+  def evict_slot(self, cache: PagedKVCache, positions: jax.Array) -> jax.Array:
+    """The slot each head gives up when full, [B, L, K] (decode-evicting policies)."""
+    raise NotImplementedError
+
+  def before_decode_step(self, cache: PagedKVCache, limit: jax.Array,
+                         positions: jax.Array) -> PagedKVCache:
+    """Runs before each decode step's append.
+
+    Args:
+      limit: [B, L, K] entries a head may hold (decode-evicting policies evict
+        one token from each head at the limit, so the append keeps it there).
+      positions: [B] position of the token about to be appended.
+    """
+    if not self.evicts_during_decode:
+      return cache
+    full = cache.lengths >= limit
+    return cache.remove(jnp.where(full, self.evict_slot(cache, positions), -1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +112,17 @@ class Full(Policy):
 
   name: ClassVar[str] = "full"
 
-  def capacity(self, *, budget, prompt_len, max_new_tokens, page_size, num_layers,
-               num_kv_heads):
+  def validate(self, budget):
     if budget is not None:
       raise ValueError(f"the full policy keeps every token; budget must be None, got {budget}")
-    return round_up(prompt_len + max_new_tokens, page_size)
+
+  def layer_budgets(self, budget, prompt_len, num_layers):
+    return (prompt_len,) * num_layers
+
+  def select(self, budget, layer_budgets):
+    del budget, layer_budgets
+
+    def select(layer, prompt, q, k, v):
+      return attention_lib.keep_all(layer, prompt, q, k, v), None
+
+    return select
