@@ -5,6 +5,7 @@
 """
 
 from kvjax import policies
+from kvjax import tasks
 from kvjax.cache import PagedKVCache
 from kvjax.cache import causal_attention
 from kvjax.cache import decode_attention
@@ -34,4 +35,5 @@ __all__ = [
     "load",
     "policies",
     "prefill_attention",
+    "tasks",
 ]

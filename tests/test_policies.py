@@ -1,0 +1,202 @@
+"""What each policy keeps, on hand-made inputs; budgets, bytes and decode-time eviction."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax import policies
+from kvjax.cache import Prompt
+from kvjax.cache.paged import round_up
+
+T, K, G, H = 48, 2, 3, 8
+
+
+def _prompt(lengths=(T,), tokens=None):
+  b = len(lengths)
+  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (b, T))
+  return Prompt(None if tokens is None else jnp.asarray(tokens), positions,
+                jnp.asarray(lengths, jnp.int32))
+
+
+def _kept(policy, budget, q, k, v=None, prompt=None, layer=0):
+  """Original positions kept per (sequence, KV head), as sorted python lists."""
+  prompt = prompt or _prompt((q.shape[1],) * q.shape[0])
+  v = k if v is None else v
+  budgets = policy.layer_budgets(budget, q.shape[1], 1)
+  slots, _ = policy.select(budget, budgets)(layer, prompt, q, k, v)
+  slots = np.asarray(slots)
+  return [[sorted(np.nonzero(slots[b, h] >= 0)[0].tolist()) for h in range(slots.shape[1])]
+          for b in range(slots.shape[0])]
+
+
+def _attending(targets_per_head, window, t=T, strength=8.0):
+  """q, k where the last `window` queries of KV head h attend to targets_per_head[h]."""
+  rng = np.random.default_rng(0)
+  q = rng.normal(size=(1, t, K * G, H)).astype(np.float32) * 0.1
+  k = rng.normal(size=(1, t, K, H)).astype(np.float32) * 0.1
+  for h, targets in enumerate(targets_per_head):
+    direction = np.zeros(H, np.float32)
+    direction[h] = 1.0
+    for target in targets:
+      k[0, target, h] = strength * direction
+    q[0, t - window:, h * G:(h + 1) * G] = direction
+  return jnp.asarray(q), jnp.asarray(k)
+
+
+class TestRegistry:
+
+  def test_names_and_fields(self):
+    assert set(policies.names()) >= {"full", "streaming_llm", "snapkv", "pyramidkv", "h2o",
+                                     "knorm", "chunkkv", "sentencekv"}
+    assert policies.get("snapkv", window=16).window == 16
+    with pytest.raises(ValueError, match="unknown policy 'snap'"):
+      policies.get("snap")
+    with pytest.raises(ValueError, match=r"has no field\(s\) \['windw'\]"):
+      policies.get("snapkv", windw=3)
+
+  def test_budget_validation(self):
+    with pytest.raises(ValueError, match="must exceed the 64 entries"):
+      policies.get("snapkv").validate(64)
+    with pytest.raises(ValueError, match="needs a budget"):
+      policies.get("knorm").validate(None)
+    with pytest.raises(ValueError, match="positive int"):
+      policies.get("knorm").validate(0)
+
+
+class TestWhatEachPolicyKeeps:
+
+  def test_snapkv_keeps_what_the_window_attends_to(self):
+    window = 8
+    q, k = _attending([[5, 17], [30, 2]], window)
+    policy = policies.get("snapkv", window=window, kernel=1)
+    kept = _kept(policy, window + 2, q, k)[0]
+    tail = list(range(T - window, T))
+    assert kept[0] == [5, 17] + tail
+    assert kept[1] == [2, 30] + tail
+
+  def test_snapkv_pooling_protects_neighbours(self):
+    window = 8
+    q, k = _attending([[20], [20]], window)
+    kept = _kept(policies.get("snapkv", window=window, kernel=5), window + 5, q, k)[0][0]
+    assert kept[:5] == [18, 19, 20, 21, 22]
+
+  def test_snapkv_max_group_reduction(self):
+    # Only query head 0 of KV head 0 looks at token 9; the mean dilutes it, max does not.
+    window = 8
+    q, k = _attending([[9], []], window)
+    q = q.at[0, T - window:, 1:G].set(0.0)
+    kept = _kept(policies.get("snapkv", window=window, kernel=1, group="max"), window + 1, q, k)
+    assert kept[0][0] == [9] + list(range(T - window, T))
+
+  def test_streaming_llm_keeps_sinks_and_recent(self):
+    q, k = _attending([[], []], 4)
+    kept = _kept(policies.get("streaming_llm", n_sink=4), 12, q, k)[0]
+    assert kept == [[0, 1, 2, 3] + list(range(T - 8, T))] * K
+
+  def test_knorm_keeps_the_lowest_norm_keys(self):
+    norms = np.random.default_rng(1).permutation(T * K).reshape(T, K) + 1.0
+    k = np.zeros((1, T, K, H), np.float32)
+    k[0, :, :, 0] = norms
+    kept = _kept(policies.get("knorm"), 10, jnp.zeros((1, T, K * G, H)), jnp.asarray(k))[0]
+    for h in range(K):
+      assert kept[h] == sorted(np.argsort(norms[:, h])[:10].tolist())
+
+  def test_h2o_keeps_heavy_hitters_and_recent(self):
+    # Every query of KV head 0 attends to token 3, of KV head 1 to token 11.
+    rng = np.random.default_rng(2)
+    q = rng.normal(size=(1, T, K * G, H)).astype(np.float32) * 0.1
+    k = rng.normal(size=(1, T, K, H)).astype(np.float32) * 0.1
+    for h, target in enumerate((3, 11)):
+      k[0, target, h, h] = 8.0
+      q[0, :, h * G:(h + 1) * G, h] = 1.0
+    kept = _kept(policies.get("h2o", recent=6), 7, jnp.asarray(q), jnp.asarray(k))[0]
+    recent = list(range(T - 6, T))
+    assert kept == [[3] + recent, [11] + recent]
+
+  def test_chunkkv_keeps_whole_chunks_for_all_heads(self):
+    window = 4
+    q, k = _attending([[25], [26]], window)
+    kept = _kept(policies.get("chunkkv", window=window, kernel=1, chunk_length=5), 15, q, k)[0]
+    # Chunks are [0, 5), [5, 10), ...: tokens 25 and 26 sit in chunk [25, 30); the
+    # window (44..47, scored max + 1) fills chunk [45, 48) and lifts [40, 45). A
+    # budget of 15 buys 3 chunks: those three, the same for both heads.
+    assert kept[0] == kept[1] == list(range(25, 30)) + list(range(40, 48))
+
+  def test_sentencekv_keeps_whole_sentences_then_fills_the_budget(self):
+    window = 4
+    q, k = _attending([[12], [12]], window, strength=4.0)
+    tokens = np.full((1, T), 7)
+    tokens[0, [9, 15, 30]] = 1  # sentences: [0, 9], [10, 15], [16, 30], [31, 47]
+    policy = policies.get("sentencekv", window=window, kernel=1, delimiter_ids=(1,))
+    budget = window + 6 + 3
+    kept = _kept(policy, budget, q, k, prompt=_prompt(tokens=tokens))[0]
+    for h in range(K):
+      assert set(range(10, 16)) <= set(kept[h])  # the sentence holding token 12, whole
+      assert set(range(T - window, T)) <= set(kept[h])
+      assert len(kept[h]) == budget
+
+  def test_ragged_batch_respects_each_length(self):
+    q, k = _attending([[5], [6]], 4)
+    q2 = jnp.concatenate([q, q], axis=0)
+    k2 = jnp.concatenate([k, k], axis=0)
+    prompt = _prompt((T, 30))
+    for name in ("snapkv", "knorm", "streaming_llm", "h2o", "chunkkv"):
+      fields = {} if name in ("knorm",) else (
+          {"n_sink": 4} if name == "streaming_llm" else
+          {"recent": 4} if name == "h2o" else {"window": 4})
+      kept = _kept(policies.get(name, **fields), 12, q2, k2, prompt=prompt)
+      for h in range(K):
+        assert max(kept[1][h]) < 30, name
+        assert len(kept[1][h]) <= 12 and len(kept[0][h]) <= 12, name
+
+
+class TestBudgets:
+
+  def test_pyramidkv_layer_budgets_follow_kvpress(self):
+    # kvpress PyramidKVPress.get_layer_budget for q_len 1024, 50% compression, 30 layers.
+    budgets = policies.get("pyramidkv").layer_budgets(512, 1024, 30)
+    assert budgets[:4] == (960, 929, 898, 867)
+    assert budgets[-3:] == (126, 95, 64)
+    assert abs(sum(budgets) - 30 * 512) <= 30
+    # Too tight for a pyramid above the window: every layer gets the budget.
+    assert policies.get("pyramidkv").layer_budgets(100, 1024, 30) == (100,) * 30
+
+  def test_allocated_bytes_follow_the_budgets(self, smollm2_lm):
+    cfg = smollm2_lm.config
+    ids = smollm2_lm.tokenizer.encode("The grass is green. " * 80)[:400]
+    per_slot = cfg.num_kv_heads * cfg.head_dim * 4 * 2  # K heads, float32, keys + values
+    for name, budget in (("snapkv", 128), ("pyramidkv", 160), ("streaming_llm", 96)):
+      policy = policies.get(name)
+      r = kvjax.generate(smollm2_lm, [ids], policy=policy, budget=budget, max_new_tokens=4,
+                         stop_ids=[], pad_multiple=16)
+      budgets = policy.layer_budgets(budget, 400, cfg.num_layers)
+      grow = 0 if policy.evicts_during_decode else 4
+      slots = sum(round_up(b + grow, 16) for b in budgets)
+      assert r.stats.kv_bytes == slots * per_slot, name
+      kept = np.asarray(r.cache.lengths[0, :, 0])
+      assert kept.tolist() == [min(b, 400) + (0 if policy.evicts_during_decode else 3)
+                               for b in budgets], name
+
+
+@pytest.mark.parametrize("name", ["streaming_llm", "h2o"])
+def test_decode_eviction_holds_the_budget_for_512_tokens(smollm2_lm, name):
+  tok = smollm2_lm.tokenizer
+  prompt = kvjax.tasks.passkey_prompt(tok, context_tokens=1024, seed=4).prompt
+  budget = 128
+  r = kvjax.generate(smollm2_lm, [prompt], policy=name, budget=budget, max_new_tokens=512,
+                     stop_ids=[])
+  assert r.stats.decode_steps == 511
+  cfg = smollm2_lm.config
+  # The pool never had room for more than the budget.
+  assert r.stats.kv_bytes == cfg.num_layers * cfg.num_kv_heads * budget * cfg.head_dim * 4 * 2
+  np.testing.assert_array_equal(r.cache.lengths, budget)
+  kept = np.asarray(r.cache.kept_positions())[0]  # [L, K, S]
+  last = r.stats.prompt_tokens[0] + 511 - 1  # position of the last appended token
+  assert (kept.max(-1) == last).all()  # eviction made room: the newest token is there
+  for l in range(cfg.num_layers):
+    for h in range(cfg.num_kv_heads):
+      assert len(set(kept[l, h].tolist())) == budget  # no duplicates, no holes
+  if name == "streaming_llm":
+    expected = list(range(4)) + list(range(last - budget + 5, last + 1))
+    assert sorted(kept[0, 0].tolist()) == expected
