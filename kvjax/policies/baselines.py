@@ -85,7 +85,7 @@ class PyramidKV(SnapKV):
   """
 
   name: ClassVar[str] = "pyramidkv"
-  beta: int = 20  # the top layer keeps budget / beta above the window... see layer_budgets
+  beta: int = 20  # the top layer keeps about budget / beta (see layer_budgets)
 
   def layer_budgets(self, budget, prompt_len, num_layers):
     # kvpress's PyramidKVPress.get_layer_budget, with c = the budget.
