@@ -26,13 +26,23 @@ def smollm2_lm(smollm2_path):
   return kvjax.load(smollm2_path)
 
 
-@pytest.fixture(scope="session")
-def smollm2_hf(smollm2_path):
-  """The same GGUF loaded by transformers: float32, eager attention, offline."""
+def _load_hf(path, attn_implementation):
   os.environ.setdefault("HF_HUB_OFFLINE", "1")
   import torch
   import transformers
   model = transformers.AutoModelForCausalLM.from_pretrained(
-      str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32,
-      attn_implementation="eager", local_files_only=True)
+      str(path.parent), gguf_file=path.name, dtype=torch.float32,
+      attn_implementation=attn_implementation, local_files_only=True)
   return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path):
+  """The same GGUF loaded by transformers: float32, eager attention, offline."""
+  return _load_hf(smollm2_path, "eager")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_sdpa(smollm2_path):
+  """As smollm2_hf with SDPA attention (kvpress's ChunkKVPress refuses eager)."""
+  return _load_hf(smollm2_path, "sdpa")

@@ -12,7 +12,6 @@ materialised attention weights, and under sdpa SnapKV/PyramidKV recompute the
 window queries' attention themselves (the same sets as eager).
 """
 
-import os
 
 import numpy as np
 import pytest
@@ -95,17 +94,6 @@ def prompt_ids(smollm2_lm):
   head, tail = tok.encode(prompt[:cut]), tok.encode(prompt[cut:])
   assert len(head) + len(tail) > T, (len(head), len(tail))
   return list(head[:T - len(tail)]) + list(tail)
-
-
-@pytest.fixture(scope="module")
-def smollm2_sdpa(smollm2_path):
-  """The same GGUF in transformers with sdpa attention (float32, offline): kvpress's model."""
-  os.environ.setdefault("HF_HUB_OFFLINE", "1")
-  import transformers
-  model = transformers.AutoModelForCausalLM.from_pretrained(
-      str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32,
-      attn_implementation="sdpa", local_files_only=True)
-  return model.eval()
 
 
 # name -> (kvpress press factory (compression ratio), kvjax policy)
@@ -197,7 +185,7 @@ def kvjax_kept(lm, policy, budget, ids):
 
 
 @pytest.fixture(scope="module")
-def kept_sets(smollm2_lm, smollm2_sdpa, prompt_ids):
+def kept_sets(smollm2_lm, smollm2_hf_sdpa, prompt_ids):
   """(name, compression ratio) -> (kvpress kept, kvjax kept), each computed once."""
   memo = {}
 
@@ -205,7 +193,7 @@ def kept_sets(smollm2_lm, smollm2_sdpa, prompt_ids):
     if (name, cr) not in memo:
       make_press, policy = CASES[name]
       budget = int(T * (1 - cr))  # kvpress's n_kept per (layer, head), window and sinks included
-      memo[name, cr] = (kvpress_kept(smollm2_sdpa, make_press(cr), prompt_ids),
+      memo[name, cr] = (kvpress_kept(smollm2_hf_sdpa, make_press(cr), prompt_ids),
                         kvjax_kept(smollm2_lm, policy, budget, prompt_ids))
     return memo[name, cr]
 
