@@ -152,14 +152,12 @@ def generate(
     stop_ids = lm.tokenizer.stop_ids if lm.tokenizer is not None else ()
   stops = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
   pad_id = lm.tokenizer.pad_id if lm.tokenizer is not None else 0
-  statics = dict(graphdef=lm.graphdef, policy=policy)
-
   compile_s = 0.0
   timed = {}
 
-  def run(name, fn, args, extra_statics):
+  def run(name, fn, args, **statics):
     nonlocal compile_s
-    program, dt = _compiled(fn, args, dict(statics, **extra_statics))
+    program, dt = _compiled(fn, args, dict(statics, graphdef=lm.graphdef))
     compile_s += dt
     start = time.perf_counter()
     out = jax.block_until_ready(program(*args))
@@ -168,20 +166,19 @@ def generate(
 
   cache, logits = run(
       "prefill", _prefill, (lm.params, cache, jnp.asarray(tokens), jnp.asarray(lengths)),
-      dict(block=attention_block, budget=budget, budgets=budgets))
+      policy=policy, block=attention_block, budget=budget, budgets=budgets)
   next_pos = lengths
   if q_tokens is not None:
     cache, logits = run(
         "prefill", _extend,
-        (lm.params, cache, jnp.asarray(q_tokens), jnp.asarray(q_lengths), jnp.asarray(lengths)),
-        {})
+        (lm.params, cache, jnp.asarray(q_tokens), jnp.asarray(q_lengths), jnp.asarray(lengths)))
     next_pos = lengths + q_lengths
 
   decode_args = (lm.params, cache, logits, jnp.asarray(next_pos), jnp.asarray(limit),
                  jax.random.key(seed), stops, jnp.float32(temperature), jnp.int32(pad_id))
   out, steps, cache = run(
       "decode", _decode, decode_args,
-      dict(max_new_tokens=max_new_tokens, top_k=top_k, backend=backend))
+      policy=policy, max_new_tokens=max_new_tokens, top_k=top_k, backend=backend)
 
   token_ids = [_until_stop(row, set(int(s) for s in stop_ids)) for row in np.asarray(out)]
   texts = [lm.tokenizer.decode(row) if lm.tokenizer is not None else "" for row in token_ids]
@@ -212,9 +209,8 @@ def _prefill(params, cache, tokens, lengths, *, graphdef, policy, block, budget,
   return cache, model.logits(last)
 
 
-def _extend(params, cache, tokens, lengths, offsets, *, graphdef, policy):
+def _extend(params, cache, tokens, lengths, offsets, *, graphdef):
   """Appends a chunk (the question) to the cache uncompressed; returns (cache, logits [B, V])."""
-  del policy
   model = nnx.merge(graphdef, params)
   positions = offsets[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
 

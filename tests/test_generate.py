@@ -47,6 +47,19 @@ class GenerateTest(absltest.TestCase):
       alone = kvjax.generate(self.lm, [prompt], max_new_tokens=10, stop_ids=[])
       self.assertEqual(alone.token_ids[0], got)
 
+  def test_question_appended_after_prefill_equals_one_prefill(self):
+    # With the full cache, prefilling the context and then appending the question
+    # (the query-agnostic path) must match prefilling both at once.
+    rng = np.random.default_rng(4)
+    questions = [rng.integers(0, 97, n).tolist() for n in (5, 19, 1)]
+    kw = dict(questions=questions, max_new_tokens=8, stop_ids=[])
+    aware = kvjax.generate(self.lm, self.prompts, query_aware=True, **kw)
+    agnostic = kvjax.generate(self.lm, self.prompts, query_aware=False, **kw)
+    self.assertEqual(aware.token_ids, agnostic.token_ids)
+    self.assertEqual(agnostic.stats.prompt_tokens, (46, 26, 71))
+    np.testing.assert_array_equal(np.sort(agnostic.cache.kept_positions()[1, 0, 0])[-26 - 7:],
+                                  np.arange(26 + 7))
+
   def test_stops_at_stop_id(self):
     free = kvjax.generate(self.lm, self.prompts[:1], max_new_tokens=8, stop_ids=[])
     stop = free.token_ids[0][3]
