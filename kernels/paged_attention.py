@@ -11,12 +11,46 @@ KV head)):
 Slot ``s`` of a head lives in page ``page_table[b, k, s // S_page]`` at offset
 ``s % S_page``. Query head ``n`` reads KV head ``n // G`` (G = N // K); KV heads
 are never repeated.
+
+Two implementations with one signature:
+  paged_attention_reference   float32 jnp, the definition (XLA backend).
+  paged_attention             Pallas kernel: one grid program per (sequence,
+                              KV head) serving its G query heads, online
+                              softmax over blocks of pages.
+
+How pages reach the kernel differs between Mosaic (TPU) and Triton (GPU); the
+choice is made in one place, ``_page_fetch``:
+  "pipelined" (TPU)  page table and lengths are scalar-prefetched into SMEM;
+                     grid (B, K, blocks); each page of a block is its own
+                     BlockSpec whose index map reads the page table, so the
+                     Pallas pipeline DMAs (and double-buffers) just the pages
+                     a head owns; the softmax state lives in VMEM scratch.
+  "looped" (GPU)     Triton has neither scalar prefetch nor scratch: grid
+                     (B, K); the kernel reads its page-table row and gathers
+                     pages from the whole pool inside a loop over blocks.
+On CPU the kernel runs in interpret mode: the generic interpreter runs the
+looped kernel, TPU interpret mode runs the pipelined one.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+# Dtypes the kernel takes for queries, keys and values.
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+# Slots one compute block spans by default: one full lane row of a TPU vreg,
+# and a tl.dot width that keeps a GPU's tensor cores busy.
+_DEFAULT_BLOCK_SLOTS = 128
+# tl.dot needs at least 16 rows (and power-of-two shapes), so the looped (GPU)
+# kernel pads the G query heads of a KV head with zero queries up to this.
+_MIN_DOT_ROWS = 16
 
 
 def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
@@ -60,3 +94,413 @@ def paged_attention_reference(
   if not return_weights:
     return out
   return out, weights.reshape(b, n, -1), lse.reshape(b, n)
+
+
+# ------------------------------------------------------------------ block sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttentionBlockSizes:
+  """How many pages one compute block of the kernel spans.
+
+  Attributes:
+    pages_per_block: pages attended together in one online-softmax step
+      (C = pages_per_block * S_page slots). Wider blocks give wider matmuls and
+      fewer rescales; the page table is padded with absent pages to a multiple.
+  """
+
+  pages_per_block: int
+
+  def __post_init__(self):
+    ppb = self.pages_per_block
+    if isinstance(ppb, bool) or not isinstance(ppb, int) or ppb <= 0:
+      raise ValueError(f"pages_per_block must be a positive int, got {ppb!r}")
+
+  @classmethod
+  def get_default(cls, page_size: int, max_pages: int) -> "PagedAttentionBlockSizes":
+    """At most _DEFAULT_BLOCK_SLOTS slots and a head's P_max pages per block.
+
+    A power of two, since Triton's blocks must be.
+    """
+    fit = max(1, min(max_pages, _DEFAULT_BLOCK_SLOTS // page_size))
+    return cls(pages_per_block=1 << (fit.bit_length() - 1))
+
+
+# ------------------------------------------------------------------ kernels
+
+
+def _attend_block(q, k, v, valid, carry, *, scale):
+  """One online-softmax step over a block of C slots (shared by both kernels).
+
+  Args:
+    q: [G, H] the query heads of one KV head.
+    k, v: [C, H] the block's keys and values.
+    valid: [1, C] bool, slots below the head's length. At least one must be
+      true: a block with none would turn the running max into -inf - -inf.
+    carry: (running max [G, 1], denominator [G, 1], accumulator [G, H]), f32.
+    scale: H ** -0.5.
+
+  Returns:
+    (new carry, p [G, C] = exp(logits - new running max), zero where invalid).
+  """
+  m, l, acc = carry
+  # Mixed q/kv dtypes meet in float32; bfloat16 x bfloat16 stays on the fast
+  # matmul path with a float32 accumulator. HIGHEST keeps float32 products
+  # exact (no single bf16/tf32 pass): with G rows per program decode is
+  # bound by reading the pages, not by the extra matmul passes.
+  dtype = jnp.promote_types(q.dtype, k.dtype)
+  logits = jax.lax.dot_general(
+      q.astype(dtype), k.astype(dtype), (((1,), (1,)), ((), ())),
+      precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32) * scale
+  logits = jnp.where(valid, logits, -jnp.inf)
+  m_new = jnp.maximum(m, logits.max(axis=1, keepdims=True))
+  rescale = jnp.exp(m - m_new)
+  p = jnp.exp(logits - m_new)
+  l = l * rescale + p.sum(axis=1, keepdims=True)
+  acc = acc * rescale + jax.lax.dot_general(
+      p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+      precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+  return (m_new, l, acc), p
+
+
+def _finish(carry):
+  """(out [G, H], lse [G, 1]) from the softmax state; zeros and -inf for an empty head."""
+  m, l, acc = carry
+  nonempty = l > 0
+  safe_l = jnp.where(nonempty, l, 1.0)  # an empty head has acc == 0, so out is 0
+  return acc / safe_l, jnp.where(nonempty, m + jnp.log(safe_l), -jnp.inf)
+
+
+def paged_attention_pipelined_kernel(
+    table_ref, lengths_ref, q_ref, *refs, num_kv_heads: int, pages_per_block: int,
+    return_weights: bool, scale: float):
+  """Grid (B, K, blocks); the TPU form (pages arrive through BlockSpecs).
+
+  Refs:
+    table_ref: [B * K * P_pad] int32 page ids (scalar prefetch, SMEM).
+    lengths_ref: [B * K] int32 (scalar prefetch, SMEM).
+    q_ref: [G, H].
+    refs: pages_per_block key pages [S_page, H], as many value pages; then
+      out [G, H], lse [G, 1]; with return_weights block numerators [G, C] and
+      the running max they were taken against [G, 1]; then VMEM scratch
+      running max [G, 1], denominator [G, 1], accumulator [G, H].
+  """
+  ppb = pages_per_block
+  k_refs, v_refs = refs[:ppb], refs[ppb:2 * ppb]
+  out_ref, lse_ref = refs[2 * ppb:2 * ppb + 2]
+  weight_refs = refs[2 * ppb + 2:2 * ppb + 4] if return_weights else ()
+  m_ref, l_ref, acc_ref = refs[-3:]
+  b, kh, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  c = ppb * k_refs[0].shape[0]
+  length = lengths_ref[b * num_kv_heads + kh]
+  start = j * c
+
+  @pl.when(j == 0)
+  def _init():
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  # Blocks past the length do nothing; their index maps repeat the last page,
+  # so the pipeline issues no DMA for them either. Their weight blocks are left
+  # unwritten: the wrapper masks weights by length.
+  @pl.when(start < length)
+  def _step():
+    k = jnp.concatenate([r[...] for r in k_refs], axis=0) if ppb > 1 else k_refs[0][...]
+    v = jnp.concatenate([r[...] for r in v_refs], axis=0) if ppb > 1 else v_refs[0][...]
+    valid = start + jax.lax.broadcasted_iota(jnp.int32, (1, c), 1) < length
+    carry, p = _attend_block(q_ref[...], k, v, valid, (m_ref[...], l_ref[...], acc_ref[...]),
+                             scale=scale)
+    m_ref[...], l_ref[...], acc_ref[...] = carry
+    if return_weights:
+      weight_refs[0][...] = p
+      weight_refs[1][...] = carry[0]
+
+  @pl.when(j == pl.num_programs(2) - 1)
+  def _write():
+    out, lse = _finish((m_ref[...], l_ref[...], acc_ref[...]))
+    out_ref[...] = out.astype(out_ref.dtype)
+    lse_ref[...] = lse
+
+
+def paged_attention_looped_kernel(
+    table_ref, lengths_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *weight_refs,
+    pages_per_block: int, scale: float):
+  """Grid (B, K); the GPU form (the kernel gathers pages itself).
+
+  Refs:
+    table_ref: [P_pad] int32 page ids of this (sequence, KV head).
+    lengths_ref: [1] int32 its length.
+    q_ref: [G_pad, H] its query heads, zero-padded to a tl.dot-friendly count.
+    k_ref, v_ref: [P, S_page, H] the whole pools.
+    out_ref: [G_pad, H]; lse_ref: [G_pad].
+    weight_refs: with return_weights, block numerators [blocks, G_pad, C] and
+      the running max each block was taken against [blocks, G_pad].
+  """
+  page_size, h = k_ref.shape[1:]
+  c = pages_per_block * page_size
+  length = lengths_ref[0]
+  q = q_ref[...]
+  g = q.shape[0]
+
+  def block(j, carry):
+    pages = jnp.maximum(table_ref[pl.ds(j * pages_per_block, pages_per_block)], 0)
+    k = k_ref[pages].reshape(c, h)
+    v = v_ref[pages].reshape(c, h)
+    valid = (j * c + jnp.arange(c))[None, :] < length
+    carry, p = _attend_block(q, k, v, valid, carry, scale=scale)
+    if weight_refs:
+      weight_refs[0][j] = p
+      weight_refs[1][j] = carry[0].reshape(g)
+    return carry
+
+  init = (jnp.full((g, 1), -jnp.inf, jnp.float32), jnp.zeros((g, 1), jnp.float32),
+          jnp.zeros((g, h), jnp.float32))
+  # Only the blocks below the length are visited (never past the table, should
+  # a length exceed P_max * S_page); the rest of the weight blocks stay
+  # unwritten (the wrapper masks weights by length).
+  num_blocks = jnp.minimum(pl.cdiv(length, c), table_ref.shape[0] // pages_per_block)
+  out, lse = _finish(jax.lax.fori_loop(0, num_blocks, block, init))
+  out_ref[...] = out.astype(out_ref.dtype)
+  lse_ref[...] = lse.reshape(g)
+
+
+# ------------------------------------------------------------------ TPU / GPU switch
+
+
+def _tpu_interpret_forced() -> bool:
+  """Whether ``pltpu.force_tpu_interpret_mode()`` is active (then Mosaic's form runs)."""
+  from jax._src import config as jax_config  # pylint: disable=g-import-not-at-top
+  flag = getattr(jax_config, "pallas_tpu_interpret_mode_context_manager", None)
+  return flag is not None and flag.value is not None
+
+
+def _page_fetch(interpret) -> str:
+  """The one TPU/GPU decision: "pipelined" for Mosaic, "looped" for Triton.
+
+  Mosaic wants scalar-prefetched tables driving BlockSpec index maps (its
+  pipeline then DMAs only the pages a head owns); Triton supports neither
+  scalar prefetch nor scratch, so it gathers pages inside the kernel. The
+  generic CPU interpreter runs the looped form; TPU interpret mode (an
+  ``InterpretParams`` or ``force_tpu_interpret_mode``) the pipelined one.
+  """
+  if isinstance(interpret, pltpu.InterpretParams) or _tpu_interpret_forced():
+    return "pipelined"
+  return "pipelined" if jax.default_backend() == "tpu" else "looped"
+
+
+def _call_pipelined(q, k_pages, v_pages, table, lengths, *, ppb, return_weights, interpret):
+  """Runs the pipelined kernel. q [B, K, G, H]; table [B, K, P_pad]; lengths [B, K].
+
+  Returns out [B, K, G, H], lse [B, K, G] and, with return_weights, block
+  numerators [B, K, blocks, G, C] and their running maxima [B, K, blocks, G].
+  """
+  b, kh, g, h = q.shape
+  p_pad = table.shape[2]
+  page_size = k_pages.shape[1]
+  nb, c = p_pad // ppb, ppb * page_size
+
+  def page_map(i):
+    def index_map(bi, ki, j, table_ref, lengths_ref):
+      row = bi * kh + ki
+      # Past the length, repeat the head's last page: an unchanged block index
+      # makes the pipeline skip the copy.
+      # lax.div (truncating, exact for lengths >= 0) rather than //: Mosaic
+      # lowers floor division through a sign op that needs the chip version.
+      pages_used = jax.lax.div(lengths_ref[row] + page_size - 1, page_size)
+      last = jnp.clip(pages_used - 1, 0, p_pad - 1)
+      page = table_ref[row * p_pad + jnp.minimum(j * ppb + i, last)]
+      return jnp.maximum(page, 0), 0, 0
+    return index_map
+
+  page_specs = [pl.BlockSpec((None, page_size, h), page_map(i)) for i in range(ppb)]
+  head = lambda bi, ki, j, *_: (bi, ki, 0, 0)
+  blk = lambda bi, ki, j, *_: (bi, ki, j, 0, 0)
+  out_shape = [jax.ShapeDtypeStruct((b, kh, g, h), q.dtype),
+               jax.ShapeDtypeStruct((b, kh, g, 1), jnp.float32)]
+  out_specs = [pl.BlockSpec((None, None, g, h), head), pl.BlockSpec((None, None, g, 1), head)]
+  if return_weights:
+    out_shape += [jax.ShapeDtypeStruct((b, kh, nb, g, c), jnp.float32),
+                  jax.ShapeDtypeStruct((b, kh, nb, g, 1), jnp.float32)]
+    out_specs += [pl.BlockSpec((None, None, None, g, c), blk),
+                  pl.BlockSpec((None, None, None, g, 1), blk)]
+  kernel = functools.partial(
+      paged_attention_pipelined_kernel, num_kv_heads=kh, pages_per_block=ppb,
+      return_weights=return_weights, scale=h ** -0.5)
+  # The tables go in flat: SMEM pads the minor dimension of 2-D and 3-D arrays.
+  # Each page of a block is its own operand (the same pool array ppb times).
+  outs = pl.pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=2,
+          grid=(b, kh, nb),
+          in_specs=[pl.BlockSpec((None, None, g, h), head)] + page_specs + page_specs,
+          out_specs=out_specs,
+          scratch_shapes=[pltpu.VMEM((g, 1), jnp.float32), pltpu.VMEM((g, 1), jnp.float32),
+                          pltpu.VMEM((g, h), jnp.float32)]),
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "arbitrary")),
+      interpret=interpret,
+  )(table.reshape(-1), lengths.reshape(-1), q, *([k_pages] * ppb), *([v_pages] * ppb))
+  outs = list(outs)
+  outs[1] = outs[1][..., 0]
+  if return_weights:
+    outs[3] = outs[3][..., 0]
+  return outs
+
+
+def _check_triton_shapes(pages_per_block: int, page_size: int, head_dim: int) -> None:
+  """Triton compiles only power-of-two array shapes, and tl.dot wants each side >= 16."""
+  for name, value in (("pages_per_block", pages_per_block), ("page_size", page_size),
+                      ("head_dim", head_dim)):
+    if value & (value - 1):
+      raise ValueError(f"the GPU (Triton) kernel needs {name} to be a power of two, got {value}")
+  if pages_per_block * page_size < _MIN_DOT_ROWS or head_dim < _MIN_DOT_ROWS:
+    raise ValueError(
+        f"the GPU (Triton) kernel needs pages_per_block * page_size "
+        f"({pages_per_block} * {page_size}) and head_dim ({head_dim}) >= {_MIN_DOT_ROWS}")
+
+
+def _call_looped(q, k_pages, v_pages, table, lengths, *, ppb, return_weights, interpret):
+  """Runs the looped kernel; same arguments and results as ``_call_pipelined``."""
+  b, kh, g, h = q.shape
+  p_pad = table.shape[2]
+  nb, c = p_pad // ppb, ppb * k_pages.shape[1]
+  if not interpret:
+    _check_triton_shapes(ppb, k_pages.shape[1], h)
+  g_pad = max(_MIN_DOT_ROWS, pl.next_power_of_2(g))
+  q = jnp.pad(q, ((0, 0), (0, 0), (0, g_pad - g), (0, 0)))
+  pool = pl.BlockSpec(k_pages.shape, lambda bi, ki: (0, 0, 0))
+  out_shape = [jax.ShapeDtypeStruct((b, kh, g_pad, h), q.dtype),
+               jax.ShapeDtypeStruct((b, kh, g_pad), jnp.float32)]
+  out_specs = [pl.BlockSpec((None, None, g_pad, h), lambda bi, ki: (bi, ki, 0, 0)),
+               pl.BlockSpec((None, None, g_pad), lambda bi, ki: (bi, ki, 0))]
+  if return_weights:
+    out_shape += [jax.ShapeDtypeStruct((b, kh, nb, g_pad, c), jnp.float32),
+                  jax.ShapeDtypeStruct((b, kh, nb, g_pad), jnp.float32)]
+    out_specs += [pl.BlockSpec((None, None, nb, g_pad, c), lambda bi, ki: (bi, ki, 0, 0, 0)),
+                  pl.BlockSpec((None, None, nb, g_pad), lambda bi, ki: (bi, ki, 0, 0))]
+  kernel = functools.partial(paged_attention_looped_kernel, pages_per_block=ppb, scale=h ** -0.5)
+  outs = pl.pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid=(b, kh),
+      in_specs=[pl.BlockSpec((None, None, p_pad), lambda bi, ki: (bi, ki, 0)),
+                pl.BlockSpec((1,), lambda bi, ki: (bi * kh + ki,)),
+                pl.BlockSpec((None, None, g_pad, h), lambda bi, ki: (bi, ki, 0, 0)),
+                pool, pool],
+      out_specs=out_specs,
+      # Explicitly Triton: this jax lowers GPU kernels to Mosaic GPU by default,
+      # which would stage the whole pool block in shared memory.
+      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+      interpret=interpret,
+  )(table, lengths.reshape(-1), q, k_pages, v_pages)
+  # Drop the padding query heads (axis 2 of out and lse, axis 3 of the weight blocks).
+  return [o[:, :, :, :g] if i >= 2 else o[:, :, :g] for i, o in enumerate(outs)]
+
+
+# ------------------------------------------------------------------ public wrapper
+
+
+def _validate(q, k_pages, v_pages, page_table, lengths, block_sizes) -> None:
+  """Raises ValueError, quoting the values, for any input the kernel cannot take."""
+  for name, x, rank in (("q", q, 3), ("k_pages", k_pages, 3), ("v_pages", v_pages, 3),
+                        ("page_table", page_table, 3), ("lengths", lengths, 2)):
+    if x.ndim != rank:
+      raise ValueError(f"{name} must have rank {rank}, got shape {x.shape}")
+  for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
+    if x.dtype not in _DTYPES:
+      raise ValueError(f"{name} must be float32 or bfloat16, got {x.dtype}")
+  if k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
+    raise ValueError(f"k_pages {k_pages.shape} {k_pages.dtype} and v_pages "
+                     f"{v_pages.shape} {v_pages.dtype} must match")
+  b, n, h = q.shape
+  if k_pages.shape[2] != h:
+    raise ValueError(f"head dim of q ({h}) and of k_pages/v_pages ({k_pages.shape[2]}) differ")
+  if page_table.shape[0] != b:
+    raise ValueError(f"page_table batch {page_table.shape[0]} != q batch {b}")
+  kh = page_table.shape[1]
+  if n % kh:
+    raise ValueError(f"query heads N={n} must be a multiple of KV heads K={kh}")
+  if page_table.dtype != jnp.int32:
+    raise ValueError(f"page_table must be int32, got {page_table.dtype}")
+  if lengths.shape != (b, kh):
+    raise ValueError(f"lengths must have shape [B, K] = {(b, kh)}, got {lengths.shape}")
+  if lengths.dtype != jnp.int32:
+    raise ValueError(f"lengths must be int32, got {lengths.dtype}")
+  if block_sizes is not None and not isinstance(block_sizes, PagedAttentionBlockSizes):
+    raise ValueError(f"block_sizes must be a PagedAttentionBlockSizes or None, got {block_sizes!r}")
+
+
+def _weights_from_blocks(w, w_max, lse, lengths, num_slots):
+  """Softmax weights [B, N, S] from the kernel's block numerators.
+
+  Block j of a head holds exp(logit - m_j), m_j being the running max when
+  the block was visited, so its weights are those times exp(m_j - lse). This
+  elementwise pass costs one read and write of [B, N, S], far less than a
+  second pass over the keys.
+
+  Args:
+    w: [B, K, blocks, G, C]; w_max: [B, K, blocks, G]; lse: [B, K, G];
+    lengths: [B, K]; num_slots: S (the unpadded slots per head).
+  """
+  b, kh, nb, g, c = w.shape
+  w = w * jnp.exp(w_max - lse[:, :, None, :])[..., None]
+  w = w.transpose(0, 1, 3, 2, 4).reshape(b, kh, g, nb * c)[..., :num_slots]
+  valid = jnp.arange(num_slots)[None, None, :] < lengths[:, :, None]  # [B, K, S]
+  # Slots past the length (and blocks the kernel skipped) hold garbage.
+  return jnp.where(valid[:, :, None, :], w, 0.0).reshape(b, kh * g, num_slots)
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "return_weights", "interpret"))
+def paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    lengths: jax.Array,
+    *,
+    block_sizes: PagedAttentionBlockSizes | None = None,
+    return_weights: bool = False,
+    interpret=False,
+):
+  """Paged decode attention as a Pallas kernel (same contract as the reference).
+
+  Args:
+    q: [B, N, H] float32 or bfloat16.
+    k_pages, v_pages: [P, S_page, H] float32 or bfloat16 (the same).
+    page_table: [B, K, P_max] int32, -1 = absent page.
+    lengths: [B, K] int32 filled slots per head (at most P_max * S_page).
+    block_sizes: pages per compute block (default: about 128 slots).
+    return_weights: also return the weights and the log-sum-exp.
+    interpret: run the kernel body in Pallas' interpreter (CPU); a
+      ``pltpu.InterpretParams`` selects TPU interpret mode.
+
+  Returns:
+    out [B, N, H] in q's dtype; with ``return_weights`` also weights [B, N, S]
+    float32 (zero on empty slots; S = P_max * S_page) and lse [B, N] float32
+    (-inf for a head with no slots). A head of length 0 outputs zeros.
+
+  The weights need the final normaliser, which one pass over the pages only
+  knows at its end: the kernel writes each block's exp(logit - running max)
+  and that max, and an elementwise XLA epilogue rescales them by
+  exp(max - lse) (``_weights_from_blocks``), so the pages are still read once.
+  """
+  _validate(q, k_pages, v_pages, page_table, lengths, block_sizes)
+  b, n, h = q.shape
+  _, kh, p_max = page_table.shape
+  page_size = k_pages.shape[1]
+  if block_sizes is None:
+    block_sizes = PagedAttentionBlockSizes.get_default(page_size, p_max)
+  ppb = block_sizes.pages_per_block
+  p_pad = pl.cdiv(p_max, ppb) * ppb
+  table = jnp.pad(page_table, ((0, 0), (0, 0), (0, p_pad - p_max)), constant_values=-1)
+  call = _call_pipelined if _page_fetch(interpret) == "pipelined" else _call_looped
+  outs = call(q.reshape(b, kh, n // kh, h), k_pages, v_pages, table, lengths, ppb=ppb,
+              return_weights=return_weights, interpret=interpret)
+  out = outs[0].reshape(b, n, h)
+  if not return_weights:
+    return out
+  weights = _weights_from_blocks(outs[2], outs[3], outs[1], lengths, p_max * page_size)
+  return out, weights, outs[1].reshape(b, n)

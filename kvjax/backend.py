@@ -1,7 +1,9 @@
 """The one switch between Pallas kernels and their XLA (jnp) references.
 
 ``"auto"`` picks Pallas on GPU/TPU when a Pallas kernel is registered and the
-XLA reference elsewhere; ``"xla"`` and ``"pallas"`` force one side.
+XLA reference elsewhere; ``"xla"`` and ``"pallas"`` force one side. A forced
+``"pallas"`` on CPU runs the kernel in Pallas' interpreter (slow, but the same
+kernel body), so CPU tests exercise it.
 """
 
 from __future__ import annotations
@@ -10,14 +12,30 @@ from typing import Callable
 
 import jax
 
-from kvjax.kernels import paged_attention as paged_attention_lib
+# Names, not the module: kvjax.kernels re-exports the kernel function under the
+# module's own name, so `from kvjax.kernels import paged_attention` is the function.
+from kvjax.kernels.paged_attention import paged_attention
+from kvjax.kernels.paged_attention import paged_attention_reference
 
 BACKENDS = ("auto", "xla", "pallas")
 
+
+def _interpret() -> bool:
+  """Pallas kernels run in interpret mode on CPU, where nothing compiles them."""
+  return jax.default_backend() == "cpu"
+
+
+def _pallas_paged_attention(q, k_pages, v_pages, page_table, lengths, *, return_weights=False):
+  """The Pallas kernel with the reference's signature (interpreted on CPU)."""
+  return paged_attention(q, k_pages, v_pages, page_table, lengths,
+                         return_weights=return_weights, interpret=_interpret())
+
+
 # name -> implementation; Pallas kernels register themselves here.
 _PAGED_ATTENTION: dict[str, Callable] = {
-    "xla": paged_attention_lib.paged_attention_reference,
+    "xla": paged_attention_reference,
 }
+_PAGED_ATTENTION["pallas"] = _pallas_paged_attention
 
 
 def register_paged_attention(backend: str, fn: Callable) -> None:
