@@ -148,16 +148,19 @@ def main(argv):
       f.flush()
       print(f"[{i + 1}/{len(todo)}] {side} {policy} b={budget} {length} {mode} d={depth}: "
             f"{'ok' if row['correct'] else 'no'} {text.strip()[:30]!r}", flush=True)
-  _summary(results, out_dir / "summary.md")
+  _summary(results, out_dir / "summary.md", set(map(float, FLAGS.depths)))
 
 
-def _summary(results, path):
+def _summary(results, path, depths):
+  """Accuracy per (length, mode, side, policy, budget) over the rows at ``depths``."""
   rows = [json.loads(l) for l in results.read_text().splitlines()]
+  rows = [r for r in rows if r["depth"] in depths]
   acc = collections.defaultdict(list)
   for r in rows:
     acc[(r["length"], r["mode"], r["side"], r["policy"], r["budget"])].append(r["correct"])
   budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
-  lines = [f"# Passkey accuracy (SmolLM2-135M-Instruct, window {rows[0]['window']})", ""]
+  lines = [f"# Passkey accuracy (SmolLM2-135M-Instruct, window {rows[0]['window']}, "
+           f"needle depths {sorted(depths)})", ""]
   for length in sorted({r["length"] for r in rows}):
     for mode in ("aware", "agnostic"):
       full = acc.get((length, mode, "kvjax", "full", None))
