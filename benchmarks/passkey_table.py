@@ -69,9 +69,12 @@ def _hf_answer(model, press, ctx, question, aware):
         out = model(torch.tensor([first]), past_key_values=cache, use_cache=True)
     pos = len(first)
     if not aware:  # the question, uncompressed, at its original positions
-      out = model(torch.tensor([question]), past_key_values=cache, use_cache=True,
-                  position_ids=torch.arange(pos, pos + len(question))[None])
-      pos += len(question)
+      # One token at a time: with PyramidKV's per-layer cache lengths, transformers
+      # builds a multi-token mask from layer 0's length that the other layers reject.
+      for token in question:
+        out = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True,
+                    position_ids=torch.tensor([[pos]]))
+        pos += 1
     tokens = []
     for _ in range(MAX_NEW):
       token = int(out.logits[0, -1].argmax())
