@@ -89,6 +89,10 @@ def paged_attention_reference(
   logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
   lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # [B, K, G, 1]
   weights = jnp.where(valid[:, :, None, :], jnp.exp(logits - lse), 0.0)
+  # A zero weight does not cancel a NaN or Inf value (0 * inf = NaN), and slots
+  # past the length hold whatever their page (or page 0, for absent pages,
+  # another sequence's) last held: mask the values, not only the weights.
+  values = jnp.where(valid[..., None], values, 0.0)
   out = jnp.einsum("bkgs,bksh->bkgh", weights, values).reshape(b, n, h)
   out = out.astype(q.dtype)
   if not return_weights:
@@ -129,7 +133,7 @@ class PagedAttentionBlockSizes:
 # ------------------------------------------------------------------ kernels
 
 
-def _attend_block(q, k, v, valid, carry, *, scale):
+def _attend_block(q, k, v, valid, valid_rows, carry, *, scale):
   """One online-softmax step over a block of C slots (shared by both kernels).
 
   Args:
@@ -137,6 +141,9 @@ def _attend_block(q, k, v, valid, carry, *, scale):
     k, v: [C, H] the block's keys and values.
     valid: [1, C] bool, slots below the head's length. At least one must be
       true: a block with none would turn the running max into -inf - -inf.
+    valid_rows: [C, H] (or [C, 1]) bool, the same per value row: invalid rows
+      are zeroed, as a zero weight does not cancel a NaN or Inf left there by
+      a page's other or previous owner (0 * inf = NaN).
     carry: (running max [G, 1], denominator [G, 1], accumulator [G, H]), f32.
     scale: H ** -0.5.
 
@@ -157,6 +164,7 @@ def _attend_block(q, k, v, valid, carry, *, scale):
   rescale = jnp.exp(m - m_new)
   p = jnp.exp(logits - m_new)
   l = l * rescale + p.sum(axis=1, keepdims=True)
+  v = jnp.where(valid_rows, v, jnp.zeros_like(v))
   acc = acc * rescale + jax.lax.dot_general(
       p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
       precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
@@ -209,8 +217,10 @@ def paged_attention_pipelined_kernel(
     k = jnp.concatenate([r[...] for r in k_refs], axis=0) if ppb > 1 else k_refs[0][...]
     v = jnp.concatenate([r[...] for r in v_refs], axis=0) if ppb > 1 else v_refs[0][...]
     valid = start + jax.lax.broadcasted_iota(jnp.int32, (1, c), 1) < length
-    carry, p = _attend_block(q_ref[...], k, v, valid, (m_ref[...], l_ref[...], acc_ref[...]),
-                             scale=scale)
+    # Full [C, H] (no broadcast of a mask across lanes in Mosaic).
+    valid_rows = start + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0) < length
+    carry, p = _attend_block(q_ref[...], k, v, valid, valid_rows,
+                             (m_ref[...], l_ref[...], acc_ref[...]), scale=scale)
     m_ref[...], l_ref[...], acc_ref[...] = carry
     if return_weights:
       weight_refs[0][...] = p
@@ -247,8 +257,9 @@ def paged_attention_looped_kernel(
     pages = jnp.maximum(table_ref[pl.ds(j * pages_per_block, pages_per_block)], 0)
     k = k_ref[pages].reshape(c, h)
     v = v_ref[pages].reshape(c, h)
-    valid = (j * c + jnp.arange(c))[None, :] < length
-    carry, p = _attend_block(q, k, v, valid, carry, scale=scale)
+    slot = j * c + jnp.arange(c)
+    valid = slot[None, :] < length
+    carry, p = _attend_block(q, k, v, valid, slot[:, None] < length, carry, scale=scale)
     if weight_refs:
       weight_refs[0][j] = p
       weight_refs[1][j] = carry[0].reshape(g)

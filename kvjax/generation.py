@@ -105,15 +105,30 @@ def generate(
 
   Returns:
     GenerationResult with texts, token ids, stats and the final cache.
+
+  Raises:
+    ValueError: a bad argument (unknown policy or backend, a budget the policy
+      cannot honour or larger than the model's context, a prompt longer than
+      the model's context, a non-positive size), before any work is done.
   """
   policy = policies_lib.get(policy)
   policy.validate(budget)
   policy = policy.bind(lm.tokenizer)
   backend = backend_lib.resolve(backend)
-  if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-  if temperature < 0:
-    raise ValueError(f"temperature must be >= 0, got {temperature}")
+  cfg = lm.config
+  for name, value in (("max_new_tokens", max_new_tokens), ("page_size", page_size),
+                      ("pad_multiple", pad_multiple), ("attention_block", attention_block)):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ValueError(f"{name} must be a positive int, got {value!r}")
+  if budget is not None and budget > cfg.max_position_embeddings:
+    # No sequence can ever hold more entries than the model's context: such a
+    # budget is a typo (or a token count mistaken for something else).
+    raise ValueError(f"budget {budget} exceeds the model's context of "
+                     f"{cfg.max_position_embeddings} tokens")
+  if not isinstance(temperature, (int, float)) or not np.isfinite(temperature) or temperature < 0:
+    raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+  if not isinstance(top_k, int) or isinstance(top_k, bool) or not 0 <= top_k <= cfg.vocab_size:
+    raise ValueError(f"top_k must be an int in [0, {cfg.vocab_size}], got {top_k!r}")
   ids = _tokenize(lm, prompts, chat_template)
   question_ids = None
   if questions is not None:
@@ -122,7 +137,6 @@ def generate(
       raise ValueError(f"{len(ids)} prompts but {len(question_ids)} questions")
     if query_aware:
       ids, question_ids = [p + q for p, q in zip(ids, question_ids)], None
-  cfg = lm.config
   q_lengths = np.array([len(x) for x in question_ids or [[]] * len(ids)], np.int32)
   lengths = np.array([len(x) for x in ids], np.int32)
   longest = int((lengths + q_lengths).max())

@@ -50,3 +50,63 @@ def count_compilations():
     yield count
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def assert_cache_consistent(cache) -> None:
+  """Checks the page accounting of a PagedKVCache; AssertionError names the first fault.
+
+  What must hold after any sequence of cache operations:
+    - every page id in [0, P) is either on the free stack or in exactly one
+      page-table entry: never both, never twice, never neither (no page shared
+      by two (sequence, layer, KV head), none lost);
+    - each head's pages fill its page-table row from the front, within its
+      capacity (``capacity // page_size`` pages at most);
+    - 0 <= length <= capacity, and the head's pages cover its length;
+    - free pages, and the slots of owned pages at or past a head's length,
+      hold no entry (position -1; free pages also score 0).
+
+  Works on host copies, so call it outside jit (tests, debugging).
+  """
+  table = np.asarray(cache.page_table)  # [B, L, K, P_max]
+  lengths = np.asarray(cache.lengths)  # [B, L, K]
+  positions = np.asarray(cache.positions)  # [P, S_page]
+  scores = np.asarray(cache.scores)
+  num_free = int(cache.num_free)
+  num_pages, ps = cache.num_pages, cache.page_size
+  if not 0 <= num_free <= num_pages:
+    raise AssertionError(f"num_free {num_free} outside [0, {num_pages}]")
+  free = np.asarray(cache.free_pages)[:num_free]
+  owned = table[table >= 0]
+  for name, ids in (("free stack", free), ("page table", owned)):
+    bad = ids[(ids < 0) | (ids >= num_pages)]
+    if bad.size:
+      raise AssertionError(f"{name} holds page ids outside [0, {num_pages}): {bad.tolist()}")
+    ids_, counts = np.unique(ids, return_counts=True)
+    if (counts > 1).any():
+      raise AssertionError(f"{name} holds page(s) {ids_[counts > 1].tolist()} more than once")
+  both = np.intersect1d(free, owned)
+  if both.size:
+    raise AssertionError(f"page(s) {both.tolist()} are both free and owned")
+  if owned.size + free.size != num_pages:
+    lost = np.setdiff1d(np.arange(num_pages), np.concatenate([free, owned]))
+    raise AssertionError(f"{owned.size} owned + {free.size} free != {num_pages} pages; "
+                         f"lost: {lost.tolist()}")
+  cap = np.asarray(cache.capacity, np.int64)[None]  # [1, L, K]
+  have = (table >= 0).sum(-1)
+  prefix = np.arange(table.shape[-1]) < have[..., None]
+  for what, bad in (
+      ("pages not allocated front to back", (prefix != (table >= 0)).any(-1)),
+      ("more pages than its capacity", have * ps > cap),
+      ("length outside [0, capacity]", (lengths < 0) | (lengths > cap)),
+      ("length past its pages", lengths > have * ps)):
+    if bad.any():
+      raise AssertionError(f"head(s) (sequence, layer, KV head) {np.argwhere(bad).tolist()} "
+                           f"have {what}")
+  slot = np.arange(table.shape[-1] * ps)
+  per_head = positions[np.maximum(table, 0)].reshape(*table.shape[:3], -1)  # [B, L, K, S]
+  stale = (slot >= lengths[..., None]) & np.repeat(table >= 0, ps, -1) & (per_head != -1)
+  if stale.any():
+    raise AssertionError(f"slots (sequence, layer, KV head, slot) {np.argwhere(stale).tolist()} "
+                         f"past their head's length hold positions")
+  if free.size and ((positions[free] != -1).any() or (scores[free] != 0).any()):
+    raise AssertionError("a free page still holds an entry (position or score)")

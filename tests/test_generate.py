@@ -6,6 +6,7 @@ from absl.testing import absltest
 
 import kvjax
 from kvjax import generation as generate_lib
+from kvjax import policies
 from kvjax import testing
 
 CONFIG = kvjax.LlamaConfig(
@@ -46,6 +47,27 @@ class GenerateTest(absltest.TestCase):
     for prompt, got in zip(self.prompts, batch.token_ids):
       alone = kvjax.generate(self.lm, [prompt], max_new_tokens=10, stop_ids=[])
       self.assertEqual(alone.token_ids[0], got)
+
+  def test_batch_equals_one_at_a_time_under_policies(self):
+    # Prefill compression (snapkv) and decode-time eviction by accumulated attention
+    # (h2o): a sequence's tokens and kept entries do not depend on its batch mates.
+    for policy in (policies.get("snapkv", window=8), policies.get("h2o", recent=8)):
+      kw = dict(policy=policy, budget=24, max_new_tokens=10, stop_ids=[], pad_multiple=128)
+      batch = kvjax.generate(self.lm, self.prompts, **kw)
+      for i, prompt in enumerate(self.prompts):
+        alone = kvjax.generate(self.lm, [prompt], **kw)
+        self.assertEqual(alone.token_ids[0], batch.token_ids[i], policy.name)
+        np.testing.assert_array_equal(alone.cache.kept_positions()[0],
+                                      batch.cache.kept_positions()[i], err_msg=policy.name)
+
+  def test_sampled_policy_run_is_deterministic_for_a_seed(self):
+    kw = dict(policy=policies.get("h2o", recent=8), budget=24, max_new_tokens=10, stop_ids=[],
+              pad_multiple=128, temperature=1.0, seed=7)
+    a = kvjax.generate(self.lm, self.prompts, **kw)
+    b = kvjax.generate(self.lm, self.prompts, **kw)
+    self.assertEqual(a.token_ids, b.token_ids)
+    for name in ("positions", "scores", "page_table", "lengths", "k_pages"):
+      np.testing.assert_array_equal(getattr(a.cache, name), getattr(b.cache, name), err_msg=name)
 
   def test_question_appended_after_prefill_equals_one_prefill(self):
     # With the full cache, prefilling the context and then appending the question

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import backend as backend_lib
-from kvjax.cache.paged import EMPTY, PagedKVCache
+from kvjax.cache.paged import EMPTY, PagedKVCache, check_array
 from kvjax.kernels.paged_attention import gather_pages
 
 
@@ -89,6 +89,23 @@ def causal_attention(
   return out.astype(q.dtype)
 
 
+def _check_qkv(cache: PagedKVCache, q, k, v, positions, t: int | None = None) -> None:
+  """Shape and dtype checks shared by the entry points (static: free under jit).
+
+  Raises:
+    ValueError: naming the argument, the expected [B, T, ...] shape and what came.
+  """
+  b, kh, h = cache.batch_size, cache.num_kv_heads, cache.k_pages.shape[-1]
+  check_array("q", q, "[B, T, N, H]", (b, t, None, h), "float")
+  t = q.shape[1]
+  check_array("k", k, "[B, T, K, H]", (b, t, kh, h), "float")
+  check_array("v", v, "[B, T, K, H]", (b, t, kh, h), "float")
+  if q.shape[2] % kh:
+    raise ValueError(f"query heads N={q.shape[2]} must be a multiple of the cache's "
+                     f"KV heads K={kh}")
+  check_array("positions", positions, "[B, T]", (b, t), "int")
+
+
 def keep_all(layer, prompt: Prompt, q, k, v) -> jax.Array:
   """Slots that keep every prompt token: token t goes to slot t of every head."""
   del layer, q, v
@@ -123,12 +140,29 @@ def prefill_attention(
     lengths: [B] int32 valid prompt tokens per sequence.
     tokens: [B, T] token ids, for select functions that look at the text.
     select: returns slots [B, K, T] per token per head (-1 = not kept) and
-      optional per-slot scores to store (default: keep every token).
+      optional per-slot scores to store (default: keep every token, which
+      needs every head's capacity to be at least T). A select that keeps more
+      than a head's capacity loses the excess (its length stops at capacity).
     block: block size of the causal attention.
 
   Returns:
     (cache with the layer written and its lengths set, out [B, T, N, H]).
+
+  Raises:
+    ValueError: a shape or dtype that does not match the cache, or a prompt
+      longer than the smallest capacity when every token is kept.
   """
+  _check_qkv(cache, q, k, v, positions)
+  b, t = q.shape[:2]
+  check_array("lengths", lengths, "[B]", (b,), "int")
+  if tokens is not None:
+    check_array("tokens", tokens, "[B, T]", (b, t), "int")
+  smallest = min(c for row in cache.capacity for c in row)
+  if select is _keep_all_select and t > smallest:
+    raise ValueError(
+        f"prompt of {t} tokens does not fit the cache: keeping every token needs a "
+        f"capacity of at least {t} per head, the smallest is {smallest}; pass a "
+        f"select function that keeps fewer, or a larger capacity")
   out = causal_attention(q, k, v, block=block)
   slots, scores = select(layer, Prompt(tokens, positions, lengths), q, k, v)
   kept = (jnp.max(slots, axis=-1) + 1).astype(jnp.int32)  # [B, K]: slots fill from 0 upwards
@@ -156,8 +190,11 @@ def extend_attention(
     lengths: [B] int32 valid chunk tokens per sequence (right padding after).
 
   Returns:
-    (cache with the chunk appended, out [B, C, N, H]).
+    (cache with the chunk appended, out [B, C, N, H]). A head without room
+    for the whole chunk keeps what fits (its length stops at capacity).
   """
+  _check_qkv(cache, q, k, v, positions)
+  check_array("lengths", lengths, "[B]", (q.shape[0],), "int")
   b, c, n, h = q.shape
   kh = k.shape[2]
   table, cached = cache.layer_view(layer)
@@ -167,6 +204,9 @@ def extend_attention(
   old = jnp.einsum("bckgh,bksh->bkgcs", qg, keys)
   old = jnp.where((jnp.arange(keys.shape[2]) < cached[..., None])[:, :, None, None, :], old,
                   -jnp.inf)
+  # Slots past a head's length may hold anything (another sequence's page 0 for
+  # absent pages): a zero weight would not cancel a NaN or Inf value there.
+  values = jnp.where((jnp.arange(keys.shape[2]) < cached[..., None])[..., None], values, 0.0)
   new = jnp.einsum("bckgh,bskh->bkgcs", qg, k.astype(jnp.float32))
   new = jnp.where(jnp.tril(jnp.ones((c, c), bool)), new, -jnp.inf)
   weights = jax.nn.softmax(jnp.concatenate([old, new], axis=-1), axis=-1)
@@ -203,6 +243,7 @@ def decode_attention(
   Returns:
     (cache, out [B, 1, N, H]).
   """
+  _check_qkv(cache, q, k, v, positions, t=1)
   cache = cache.append(layer, k, v, positions)
   table, lengths = cache.layer_view(layer)
   attend = backend_lib.paged_attention_fn(backend)

@@ -145,6 +145,7 @@ class PagedKVCache:
     Heads that already own enough pages are unchanged. Asking for more than a
     head's capacity allocates up to its capacity (writes past it are dropped).
     """
+    check_array("new_lengths", new_lengths, "[B, L, K]", self.lengths.shape, "int")
     ps = self.page_size
     cap = self.capacity_array()[None]  # [1, L, K]
     have = _pages_owned(self.page_table)  # [B, L, K]
@@ -159,19 +160,43 @@ class PagedKVCache:
     )
 
   def release(self, pages: jax.Array) -> "PagedKVCache":
-    """Pushes page ids [M] (-1 entries ignored) back on the free stack.
+    """Pushes page ids [M] back on the free stack.
 
-    The caller removes them from the page table; their slots are marked empty.
+    Entries outside [0, P) (-1 in particular) are ignored, so a bad id can never
+    land on the free stack. The caller removes the pages from the page table
+    (``reset`` does both); their slots are marked empty (position -1, score 0)
+    so a page handed out again carries nothing of its previous owner.
     """
-    valid = pages >= 0
+    check_array("pages", pages, "[M]", (None,), "int")
+    valid = (pages >= 0) & (pages < self.num_pages)
     rank = jnp.cumsum(valid) - 1
     target = jnp.where(valid, self.num_free + rank, self.num_pages)
+    freed = jnp.where(valid, pages, self.num_pages)
     return self.replace(
         free_pages=self.free_pages.at[target].set(pages, mode="drop"),
         num_free=self.num_free + valid.sum(dtype=jnp.int32),
-        positions=self.positions.at[jnp.where(valid, pages, self.num_pages)].set(
-            EMPTY, mode="drop"),
+        positions=self.positions.at[freed].set(EMPTY, mode="drop"),
+        scores=self.scores.at[freed].set(0.0, mode="drop"),
     )
+
+  def reset(self, sequences: jax.Array) -> "PagedKVCache":
+    """Empties the chosen sequences so their batch rows can take new prompts.
+
+    Every page the chosen sequences own, in every layer and KV head, goes back
+    on the free stack (``release``: positions -1, scores 0), their page-table
+    rows become -1 and their lengths 0. Other sequences are untouched. Keys and
+    values are not zeroed: nothing reads a slot past a head's length.
+
+    Args:
+      sequences: bool [B], True for the sequences to empty.
+    """
+    check_array("sequences", sequences, "[B]", (self.batch_size,), "bool")
+    chosen = jnp.asarray(sequences)[:, None, None]  # [B, 1, 1]
+    pages = jnp.where(chosen[..., None], self.page_table, EMPTY).reshape(-1)
+    out = self.release(pages)
+    return out.replace(
+        page_table=jnp.where(chosen[..., None], EMPTY, self.page_table),
+        lengths=jnp.where(chosen, 0, self.lengths))
 
   # ---------------------------------------------------------------- writes
 
@@ -194,6 +219,15 @@ class PagedKVCache:
       positions: [B, T] int32 original positions of the tokens.
       scores: optional [B, K, T] float32 per-slot statistics to store (else 0).
     """
+    b, kh, h = self.batch_size, self.num_kv_heads, self.k_pages.shape[-1]
+    _check_layer(layer, self.num_layers)
+    check_array("k", k, "[B, T, K, H]", (b, None, kh, h), "float")
+    t = jnp.shape(k)[1]
+    check_array("v", v, "[B, T, K, H]", (b, t, kh, h), "float")
+    check_array("slots", slots, "[B, K, T]", (b, kh, t), "int")
+    check_array("positions", positions, "[B, T]", (b, t), "int")
+    if scores is not None:
+      check_array("scores", scores, "[B, K, T]", (b, kh, t), "float")
     ps = self.page_size
     table = self.page_table[:, layer]  # [B, K, P_max]
     p_max = table.shape[-1]
@@ -218,21 +252,33 @@ class PagedKVCache:
 
     Args:
       k, v: [B, 1, K, H]; positions: [B, 1]. Pages must have been reserved.
-      A head already at capacity drops the token (policies evict first).
+      A head already at capacity drops the token (policies evict first); so
+      does a head whose next slot has no page (``reserve`` was not called), so
+      its length never counts a slot that holds nothing.
     """
-    lengths = self.lengths[:, layer]  # [B, K]
+    b, kh, h = self.batch_size, self.num_kv_heads, self.k_pages.shape[-1]
+    _check_layer(layer, self.num_layers)
+    check_array("k", k, "[B, 1, K, H]", (b, 1, kh, h), "float")
+    check_array("v", v, "[B, 1, K, H]", (b, 1, kh, h), "float")
+    check_array("positions", positions, "[B, 1]", (b, 1), "int")
+    table, lengths = self.layer_view(layer)  # [B, K, P_max], [B, K]
     cap = self.capacity_array()[layer][None]  # [1, K]
-    slots = jnp.where(lengths < cap, lengths, EMPTY)[..., None]
+    page = jnp.take_along_axis(
+        table, jnp.minimum(lengths // self.page_size, table.shape[-1] - 1)[..., None], -1)[..., 0]
+    fits = (lengths < cap) & (page >= 0)
+    slots = jnp.where(fits, lengths, EMPTY)[..., None]
     out = self.write(layer, k, v, slots, positions)
-    return out.replace(lengths=out.lengths.at[:, layer].set(jnp.minimum(lengths + 1, cap)))
+    return out.replace(lengths=out.lengths.at[:, layer].set(lengths + fits.astype(jnp.int32)))
 
   def remove(self, slots: jax.Array) -> "PagedKVCache":
     """Evicts one slot per head, [B, L, K] (-1 = none), keeping slots dense.
 
     The head's last filled slot moves into the evicted one (order inside a head
     carries no meaning: each slot records its original position), so the head
-    holds one entry fewer and its next append lands at the end.
+    holds one entry fewer and its next append lands at the end. Slots outside
+    [0, length) are ignored.
     """
+    check_array("slots", slots, "[B, L, K]", self.lengths.shape, "int")
     ps = self.page_size
     last = self.lengths - 1
     evict = (slots >= 0) & (slots <= last)
@@ -254,8 +300,16 @@ class PagedKVCache:
         lengths=self.lengths - evict.astype(jnp.int32))
 
   def set_lengths(self, layer, lengths: jax.Array) -> "PagedKVCache":
-    """Sets the filled slots [B, K] of one layer."""
-    return self.replace(lengths=self.lengths.at[:, layer].set(lengths))
+    """Sets the filled slots [B, K] of one layer, clamped to [0, capacity].
+
+    The clamp keeps a length from ever counting slots past a head's pages:
+    attention would read them from whatever page id 0 holds (another head's).
+    """
+    _check_layer(layer, self.num_layers)
+    check_array("lengths", lengths, "[B, K]", (self.batch_size, self.num_kv_heads), "int")
+    cap = self.capacity_array()[layer][None]  # [1, K]
+    clamped = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, cap)
+    return self.replace(lengths=self.lengths.at[:, layer].set(clamped))
 
   # ---------------------------------------------------------------- reads
 
@@ -269,6 +323,41 @@ class PagedKVCache:
     pos = self.positions[jnp.maximum(self.page_table, 0)].reshape(b, l, k, -1)
     slot = jnp.arange(p_max * self.page_size)
     return jnp.where(slot < self.lengths[..., None], pos, EMPTY)
+
+
+def _check_layer(layer, num_layers: int) -> None:
+  """A Python int layer must be in range; a traced one must be an integer scalar."""
+  if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool):
+    if not 0 <= layer < num_layers:
+      raise ValueError(f"layer must be in [0, {num_layers}), got {layer}")
+    return
+  check_array("layer", layer, "[]", (), "int")
+
+
+def check_array(name: str, x, letters: str, shape: tuple, kind: str) -> None:
+  """Raises ValueError unless ``x`` has ``shape`` (None: any size) and a dtype of ``kind``.
+
+  Runs on shapes and dtypes only (static under jit), so it costs nothing per step.
+
+  Args:
+    name: the argument's name, for the message.
+    letters: the shape in dimension letters, e.g. "[B, L, K]".
+    shape: the expected sizes.
+    kind: "int", "float" or "bool".
+  """
+  if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+    x = np.asarray(x)  # Python scalars and lists
+  got = tuple(x.shape)
+  if len(got) != len(shape) or any(w is not None and w != g for w, g in zip(shape, got)):
+    want = tuple("any" if w is None else w for w in shape)
+    raise ValueError(f"{name} must have shape {letters} = {want}, got {got}")
+  dtype = np.dtype(x.dtype)
+  ok = {"int": jnp.issubdtype(dtype, jnp.integer),
+        "float": jnp.issubdtype(dtype, jnp.floating),
+        "bool": dtype == np.dtype(bool)}[kind]
+  if not ok:
+    article = "an" if kind == "int" else "a"
+    raise ValueError(f"{name} must be {article} {kind} array, got dtype {dtype}")
 
 
 def _pages_owned(page_table: jax.Array) -> jax.Array:

@@ -174,10 +174,24 @@ def _metadata(reader: gguf.GGUFReader, path: str) -> GGUFMetadata:
   )
 
 
+def _open(path: str) -> gguf.GGUFReader:
+  """A GGUFReader over ``path``; a file it cannot parse is a ValueError naming the file.
+
+  The gguf package reports a truncated or corrupt file with numpy's messages
+  (a failed reshape or view), which say nothing of the file or its state.
+  """
+  try:
+    return gguf.GGUFReader(path)
+  except (ValueError, IndexError, KeyError, OSError, OverflowError) as e:
+    size = os.path.getsize(path) if os.path.isfile(path) else 0
+    raise ValueError(f"{path}: not a readable GGUF file ({size} bytes; truncated or "
+                     f"corrupt?): {e}") from e
+
+
 def read_gguf_metadata(path: str | os.PathLike) -> GGUFMetadata:
   """Reads only the metadata (config keys, tokenizer) of a GGUF file; cheap."""
   path = os.fspath(path)
-  return _metadata(gguf.GGUFReader(path), path)
+  return _metadata(_open(path), path)
 
 
 def _llama3_factors(scaling: RopeScaling, head_dim: int, theta: float) -> np.ndarray:
@@ -276,11 +290,12 @@ def load_gguf(path: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.ndarra
     metadata with the raw keys and the tokenizer data.
 
   Raises:
-    ValueError: another architecture, a missing tensor or metadata key, or a
-      tensor whose shape disagrees with the metadata.
+    ValueError: a truncated or corrupt file, another architecture, a missing
+      tensor or metadata key, or a tensor whose shape disagrees with the
+      metadata; the message starts with the file's path.
   """
   path = os.fspath(path)
-  reader = gguf.GGUFReader(path)
+  reader = _open(path)
   meta = _metadata(reader, path)
   if meta.architecture != "llama":
     raise ValueError(f"{path}: architecture {meta.architecture!r} is not supported; "

@@ -16,6 +16,7 @@ import pathlib
 from typing import Any
 
 import numpy as np
+from safetensors import SafetensorError
 from safetensors import safe_open
 
 from kvjax.models.config import LlamaConfig, RopeScaling
@@ -61,7 +62,16 @@ def _rope(cfg: dict[str, Any], path: pathlib.Path) -> tuple[float, RopeScaling |
 def config_from_json(path: str | os.PathLike) -> LlamaConfig:
   """Reads a Hugging Face `config.json` of a Llama-like model."""
   path = pathlib.Path(path)
-  cfg = json.loads(path.read_text(encoding="utf-8"))
+  try:
+    cfg = json.loads(path.read_text(encoding="utf-8"))
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"{path}: not valid JSON: {e}") from e
+  if not isinstance(cfg, dict):
+    raise ValueError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
+  missing = [key for key in ("vocab_size", "hidden_size", "num_hidden_layers",
+                             "num_attention_heads", "intermediate_size") if key not in cfg]
+  if missing:
+    raise ValueError(f"{path}: required key(s) {missing} missing")
   model_type = cfg.get("model_type")
   if model_type not in _LLAMA_LIKE:
     raise ValueError(f"{path}: model_type {model_type!r} is not supported; "
@@ -102,9 +112,24 @@ def _shard_of_tensor(folder: pathlib.Path) -> dict[str, pathlib.Path]:
     raise ValueError(f"{folder}: no *.safetensors files")
   where = {}
   for file in files:
-    with safe_open(str(file), framework="numpy") as f:
+    with _safe_open(file, "numpy") as f:
       where.update({name: file for name in f.keys()})
   return where
+
+
+def _safe_open(file: pathlib.Path, framework: str):
+  """safe_open, with a truncated or corrupt file reported as a ValueError naming it.
+
+  safetensors raises its own SafetensorError, which is not a ValueError and
+  does not name the file.
+  """
+  if not file.is_file():
+    raise ValueError(f"{file}: file is missing")
+  try:
+    return safe_open(str(file), framework=framework)
+  except (SafetensorError, OSError, ValueError) as e:
+    raise ValueError(f"{file}: not a readable safetensors file ({file.stat().st_size} bytes; "
+                     f"truncated or corrupt?): {e}") from e
 
 
 class _Reader:
@@ -125,7 +150,7 @@ class _Reader:
   def _handle(self, file: pathlib.Path, framework: str):
     key = (file, framework)
     if key not in self._handles:
-      self._handles[key] = self._stack.enter_context(safe_open(str(file), framework=framework))
+      self._handles[key] = self._stack.enter_context(_safe_open(file, framework))
     return self._handles[key]
 
   def get(self, name: str, want: tuple[int, ...]) -> np.ndarray:

@@ -29,6 +29,17 @@ class Policy:
   evicts_during_decode: ClassVar[bool] = False
   # Keeps, per slot, the attention it received (cache.scores), updated each decode step.
   accumulates_attention: ClassVar[bool] = False
+  def __post_init__(self):
+    """Subclasses check their fields here (``_check_int``), so a bad value fails on creation."""
+
+  def _check_int(self, field: str, minimum: int, odd: bool = False) -> None:
+    """Raises ValueError unless the field is an int >= ``minimum`` (and odd if asked)."""
+    value = getattr(self, field)
+    if (not isinstance(value, int) or isinstance(value, bool) or value < minimum
+        or (odd and value % 2 == 0)):
+      need = f"an{' odd' if odd else ''} int >= {minimum}"
+      raise ValueError(f"policy {self.name!r}: {field} must be {need}, got {value!r}")
+
   # Entries that are always kept and count against the budget (sinks + window).
   def reserved(self) -> int:
     return 0

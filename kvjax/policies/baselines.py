@@ -43,6 +43,9 @@ class StreamingLLM(Policy):
   evicts_during_decode: ClassVar[bool] = True
   n_sink: int = 4  # first tokens always kept
 
+  def __post_init__(self):
+    self._check_int("n_sink", 0)
+
   def reserved(self):
     return self.n_sink
 
@@ -68,6 +71,11 @@ class SnapKV(Policy):
   kernel: int = 5  # average-pooling width over token scores
   group: str = "mean"  # reduction over the query heads of a KV head: mean or max
 
+  def __post_init__(self):
+    self._check_int("window", 1)
+    self._check_int("kernel", 1, odd=True)
+    _check_group(self)
+
   def reserved(self):
     return self.window
 
@@ -86,6 +94,10 @@ class PyramidKV(SnapKV):
 
   name: ClassVar[str] = "pyramidkv"
   beta: int = 20  # the top layer keeps about budget / beta (see layer_budgets)
+
+  def __post_init__(self):
+    super().__post_init__()
+    self._check_int("beta", 1)
 
   def layer_budgets(self, budget, prompt_len, num_layers):
     # kvpress's PyramidKVPress.get_layer_budget, with c = the budget.
@@ -123,6 +135,10 @@ class H2O(Policy):
   recent: int = 32  # most recent tokens always kept (H2O's recent window)
   group: str = "mean"  # reduction over the query heads of a KV head
 
+  def __post_init__(self):
+    self._check_int("recent", 0)
+    _check_group(self)
+
   def reserved(self):
     return self.recent
 
@@ -155,6 +171,10 @@ class ChunkKV(SnapKV):
 
   name: ClassVar[str] = "chunkkv"
   chunk_length: int = 20  # tokens per chunk
+
+  def __post_init__(self):
+    super().__post_init__()
+    self._check_int("chunk_length", 1)
 
   def validate(self, budget):
     super().validate(budget)
@@ -190,6 +210,16 @@ class SentenceKV(SnapKV):
   name: ClassVar[str] = "sentencekv"
   delimiter_ids: tuple[int, ...] = ()  # from delimiter_ids(tokenizer) when empty
 
+  def __post_init__(self):
+    super().__post_init__()
+    ids = self.delimiter_ids
+    if (isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__")
+        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+      raise ValueError(f"policy {self.name!r}: delimiter_ids must be a sequence of token "
+                       f"ids (ints >= 0), got {ids!r}")
+    # A tuple, so the policy stays hashable (jit treats it as static).
+    object.__setattr__(self, "delimiter_ids", tuple(ids))
+
   def bind(self, tokenizer):
     if self.delimiter_ids or tokenizer is None:
       return self
@@ -205,6 +235,9 @@ class SentenceKV(SnapKV):
     window = (pos >= (prompt.lengths - self.window)[:, None]) & (pos < prompt.lengths[:, None])
     prefix = pos < (prompt.lengths - self.window)[:, None]
     mean = selection.segment_mean(scores, seg, prefix)  # [B, K, T]
+    # A sentence whose mean is NaN (a NaN score inside) ranks with the sentences
+    # that cannot be chosen, and is never counted as fitting (below).
+    mean = jnp.where(jnp.isnan(mean), -jnp.inf, mean)
     # Sentences in order of mean score; a sentence is kept whole if it fits.
     first = jnp.pad(seg[:, 1:] != seg[:, :-1], ((0, 0), (1, 0)), constant_values=True) & prefix
     seg_len = jax.ops.segment_sum(prefix.reshape(-1).astype(jnp.int32),
@@ -215,9 +248,10 @@ class SentenceKV(SnapKV):
     sorted_len = jnp.take_along_axis(
         jnp.broadcast_to(jnp.take_along_axis(seg_len, seg, -1)[:, None], scores.shape),
         order, -1)
-    sorted_len = jnp.where(jnp.take_along_axis(order_key, order, -1) > -jnp.inf, sorted_len, 0)
+    choosable = jnp.take_along_axis(order_key, order, -1) > -jnp.inf
+    sorted_len = jnp.where(choosable, sorted_len, 0)
     room = budget - jnp.sum(window, -1)[:, None, None]
-    fits_sorted = jnp.cumsum(sorted_len, -1) <= room
+    fits_sorted = (jnp.cumsum(sorted_len, -1) <= room) & choosable
     fits = jnp.zeros(scores.shape, bool).at[
         jnp.arange(b)[:, None, None], jnp.arange(kh)[None, :, None], order].set(fits_sorted)
     # A token is in a kept sentence if its sentence's first token fits.
@@ -227,6 +261,12 @@ class SentenceKV(SnapKV):
     rest = jnp.where(chosen | ~prefix[:, None], -jnp.inf, scores)
     top_up = selection.keep_top(rest, budget - chosen.sum(-1, keepdims=True), max_budget)
     return chosen | top_up
+
+
+def _check_group(policy) -> None:
+  if policy.group not in scoring.GROUP_REDUCTIONS:
+    raise ValueError(f"policy {policy.name!r}: group must be one of "
+                     f"{scoring.GROUP_REDUCTIONS}, got {policy.group!r}")
 
 
 def _first_index(seg):

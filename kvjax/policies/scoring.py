@@ -99,15 +99,17 @@ def snapkv_scores(q, k, lengths, *, window: int, kernel: int, group: str = "mean
 def force_window(scores: jax.Array, lengths: jax.Array, window: int) -> jax.Array:
   """Gives the last ``window`` tokens of each sequence the score max + 1, padding -inf.
 
-  The max is taken over the sequence's own prefix scores (all heads), so
-  sequences of a batch do not influence each other.
+  The max is taken over the sequence's own finite prefix scores (all heads),
+  so sequences of a batch do not influence each other, and a NaN or Inf
+  score in one head cannot pull the window below another head's scores.
   """
   t = scores.shape[-1]
   key_pos = jnp.arange(t)[None, None, :]
   start = (lengths - window)[:, None, None]
   end = lengths[:, None, None]
   prefix = key_pos < start
-  top = jnp.max(jnp.where(prefix, scores, -jnp.inf), axis=(1, 2), keepdims=True)
+  top = jnp.max(jnp.where(prefix & jnp.isfinite(scores), scores, -jnp.inf), axis=(1, 2),
+                keepdims=True)
   top = jnp.where(jnp.isfinite(top), top, 0.0)
   scores = jnp.where(prefix, scores, top + 1.0)
   return jnp.where(key_pos < end, scores, -jnp.inf)
