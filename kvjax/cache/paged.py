@@ -299,6 +299,33 @@ class PagedKVCache:
         positions=positions, scores=cleared(move(self.scores), 0.0),
         lengths=self.lengths - evict.astype(jnp.int32))
 
+  def drop_pages(self, index: jax.Array) -> "PagedKVCache":
+    """Evicts one whole page per head, [B, L, K] page index within the head (-1 = none).
+
+    The page leaves the head's page-table row, the later pages move one place
+    forward (slot order is kept: slot s of the head's later pages becomes slot
+    s - page_size), and the page goes back on the free stack (``release``:
+    positions -1, scores 0). No key or value moves: this is a page-table edit.
+    The head loses the entries the page held: page_size for any page but the
+    last, whatever the last holds for it. Indices outside the pages a head
+    owns are ignored.
+    """
+    check_array("index", index, "[B, L, K]", self.lengths.shape, "int")
+    ps = self.page_size
+    p_max = self.page_table.shape[-1]
+    have = _pages_owned(self.page_table)
+    drop = (index >= 0) & (index < have)
+    at = jnp.where(drop, index, p_max)[..., None]  # [B, L, K, 1]; p_max: nothing moves
+    j = jnp.arange(p_max)
+    src = jnp.where(j >= at, j + 1, j)
+    table = jnp.take_along_axis(self.page_table, jnp.minimum(src, p_max - 1), axis=-1)
+    table = jnp.where(src < p_max, table, EMPTY)
+    dropped = jnp.take_along_axis(self.page_table, jnp.minimum(at, p_max - 1), axis=-1)[..., 0]
+    lost = jnp.clip(self.lengths - jnp.where(drop, index, 0) * ps, 0, ps)
+    out = self.release(jnp.where(drop, dropped, EMPTY).reshape(-1))
+    return out.replace(page_table=table,
+                       lengths=self.lengths - jnp.where(drop, lost, 0).astype(jnp.int32))
+
   def set_lengths(self, layer, lengths: jax.Array) -> "PagedKVCache":
     """Sets the filled slots [B, K] of one layer, clamped to [0, capacity].
 
