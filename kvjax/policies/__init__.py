@@ -14,10 +14,14 @@ from kvjax.policies.baselines import StreamingLLM
 from kvjax.policies.baselines import delimiter_ids
 from kvjax.policies.base import Full
 from kvjax.policies.base import Policy
+from kvjax.policies.dynsplit import DynSplitKV
+from kvjax.policies.paged_eviction import PagedEviction
+from kvjax.policies.sablock import SABlock
 
 _REGISTRY: dict[str, type[Policy]] = {
     cls.name: cls
-    for cls in (Full, StreamingLLM, SnapKV, PyramidKV, KNorm, H2O, ChunkKV, SentenceKV)
+    for cls in (Full, StreamingLLM, SnapKV, PyramidKV, KNorm, H2O, ChunkKV, SentenceKV,
+                PagedEviction, SABlock, DynSplitKV)
 }
 
 
@@ -47,11 +51,14 @@ def get(name: str | Policy, **fields) -> Policy:
 
 __all__ = [
     "ChunkKV",
+    "DynSplitKV",
     "Full",
     "H2O",
     "KNorm",
+    "PagedEviction",
     "Policy",
     "PyramidKV",
+    "SABlock",
     "SentenceKV",
     "SnapKV",
     "StreamingLLM",

@@ -1,0 +1,140 @@
+"""PagedEviction (arXiv 2509.04377): structured block-wise eviction for a paged cache.
+
+Token importance comes from key and value norms alone, so no attention score
+is computed anywhere and the paged decode attention runs untouched:
+
+  prefill  keep the first page and the last (partial) page of the prompt, then
+           the tokens with the highest ||v|| / ||k|| up to the budget, laid into
+           pages in their original order;
+  decode   when a head is full (its tail page has filled up to the budget),
+           evict the one whole page with the lowest summed score, never the
+           first page nor the tail page, so the cache stays at a constant size.
+           Evicting a page is a page-table edit (``PagedKVCache.drop_pages``):
+           no key or value moves and the page returns to the free stack.
+
+See docs/methods.md for what is from the paper, from its prototype, and ours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.cache.paged import EMPTY
+from kvjax.policies import blocks
+from kvjax.policies.base import Policy
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedEviction(Policy):
+  """Norm-scored prefill selection and whole-page eviction while decoding."""
+
+  name: ClassVar[str] = "paged_eviction"
+  evicts_during_decode: ClassVar[bool] = True
+  page_size: int = 16  # slots per page; must equal generate's page_size (paper: 16)
+  variant: str = "v_over_k"  # token score: v_over_k, v, inv_k or k_plus_v
+  per_head: bool = False  # False: scores averaged over KV heads, one decision per layer
+  candidates: int = 0  # decode: only the oldest n evictable pages compete (0 = all)
+  window: int = 0  # [ours] last prompt tokens always kept besides the last page
+
+  def __post_init__(self):
+    self._check_int("page_size", 1)
+    self._check_int("candidates", 0)
+    self._check_int("window", 0)
+    if self.variant not in blocks.NORM_VARIANTS:
+      raise ValueError(f"policy {self.name!r}: variant must be one of {blocks.NORM_VARIANTS}, "
+                       f"got {self.variant!r}")
+    if not isinstance(self.per_head, bool):
+      raise ValueError(f"policy {self.name!r}: per_head must be a bool, got {self.per_head!r}")
+
+  def reserved(self):
+    # The first page and up to a page (or the window) at the end. A budget above
+    # this leaves at least one full page between them to evict while decoding.
+    return self.page_size + max(self.page_size, self.window)
+
+  def _check_page_size(self, page_size: int) -> None:
+    if page_size != self.page_size:
+      raise ValueError(f"policy {self.name!r} has page_size={self.page_size} but the cache "
+                       f"has page_size={page_size}; set both to the same value")
+
+  def capacity(self, *, budget, prompt_len, extra_tokens, max_new_tokens, page_size, num_layers):
+    self._check_page_size(page_size)
+    return super().capacity(budget=budget, prompt_len=prompt_len, extra_tokens=extra_tokens,
+                            max_new_tokens=max_new_tokens, page_size=page_size,
+                            num_layers=num_layers)
+
+  def _reduce_heads(self, scores: jax.Array, axis: int) -> jax.Array:
+    """One score for all KV heads of a layer (the prototype's) unless per_head."""
+    if self.per_head:
+      return scores
+    return jnp.broadcast_to(scores.mean(axis, keepdims=True), scores.shape)
+
+  def score(self, prompt, q, k, v):
+    """[B, K, T] norm score per token; -inf on padding."""
+    del q
+    norm = lambda x: jnp.swapaxes(jnp.linalg.norm(x.astype(jnp.float32), axis=-1), 1, 2)
+    scores = self._reduce_heads(blocks.norm_scores(norm(k), norm(v), self.variant), axis=1)
+    valid = jnp.arange(k.shape[1])[None, None] < prompt.lengths[:, None, None]
+    return jnp.where(valid, scores, -jnp.inf)
+
+  def keep(self, scores, prompt, budget, max_budget):
+    t = scores.shape[-1]
+    pos = jnp.arange(t)[None]
+    length = prompt.lengths[:, None]
+    valid = pos < length
+    last_page = pos >= ((length - 1) // self.page_size) * self.page_size
+    forced = valid & ((pos < self.page_size) | last_page | (pos >= length - self.window))
+    chosen = jnp.broadcast_to(forced[:, None], scores.shape)
+    return blocks.fill_to_budget(chosen, scores, valid, budget, max_budget)
+
+  # ---------------------------------------------------------------- decode
+
+  def page_scores(self, cache) -> jax.Array:
+    """[B, L, K, P_max] summed token score of each page a head owns (+inf for none).
+
+    Computed from the pooled keys and values (norms only), so nothing needs
+    storing at append time and the attention kernel is not involved.
+    """
+    pool = blocks.norm_scores(jnp.linalg.norm(cache.k_pages.astype(jnp.float32), axis=-1),
+                              jnp.linalg.norm(cache.v_pages.astype(jnp.float32), axis=-1),
+                              self.variant)  # [P, S_page]
+    table = cache.page_table
+    ps = cache.page_size
+    per_slot = pool[jnp.maximum(table, 0)]  # [B, L, K, P_max, S_page]
+    slot = jnp.arange(table.shape[-1])[:, None] * ps + jnp.arange(ps)[None]
+    filled = slot < cache.lengths[..., None, None]
+    sums = jnp.where(filled, per_slot, 0.0).sum(-1)  # [B, L, K, P_max]
+    if not self.per_head:
+      # Sum over the layer's heads (their pages hold the same positions).
+      sums = jnp.broadcast_to(sums.sum(2, keepdims=True), sums.shape)
+    return jnp.where(table >= 0, sums, jnp.inf)
+
+  def evict_page(self, cache) -> jax.Array:
+    """[B, L, K] index of the page each head would give up (-1 when none may go).
+
+    Candidates: pages 1 .. tail - 1 (never the first, never the tail page), and
+    with ``candidates`` > 0 only the oldest ``candidates`` of them.
+    """
+    scores = self.page_scores(cache)
+    j = jnp.arange(scores.shape[-1])
+    tail = (jnp.maximum(cache.lengths, 1) - 1) // cache.page_size  # [B, L, K]
+    ok = (j >= 1) & (j < tail[..., None])
+    if self.candidates:
+      ok &= j <= self.candidates
+    pick = jnp.argmin(jnp.where(ok, scores, jnp.inf), axis=-1).astype(jnp.int32)
+    return jnp.where(ok.any(-1), pick, EMPTY)
+
+  def before_decode_step(self, cache, limit, positions):
+    """Evicts one whole page from every head at its limit, before the append."""
+    del positions
+    self._check_page_size(cache.page_size)
+    full = cache.lengths >= limit
+
+    def evict(cache):
+      return cache.drop_pages(jnp.where(full, self.evict_page(cache), EMPTY))
+
+    # A page is evicted once every page_size steps: skip the scoring otherwise.
+    return jax.lax.cond(jnp.any(full), evict, lambda c: c, cache)

@@ -1,0 +1,168 @@
+"""SABlock (arXiv 2510.22556): semantic segments, segment-guided scores, adaptive block sizes.
+
+The prompt is ``compressible region | observation window``; the window is
+always kept and its queries score the rest. Per layer:
+
+  1. segments: cut after tokens whose decoded text ends a clause or sentence
+     (. , ; : ! ? newline, CJK punctuation), capped at ``max_segment`` tokens,
+     pieces shorter than ``min_segment`` merged into the next segment
+     (kernels/segmentation.py);
+  2. token score s_t: SnapKV-style window attention per KV head; segment-guided
+     score s'_t = s_t + gamma * mean of s over t's segment;
+  3. budget to segments: proportional to the segment's sum of s', water-filled
+     so no segment gets more than its length;
+  4. per segment, for block sizes b = 1, 2, 4, ... max_block (capped at the
+     segment's length), cut the segment into blocks of b and keep its top
+     floor(k_seg / b) blocks by mean s'; R(b) = the s' they retain. The largest
+     b with R(b) >= (1 - epsilon) R(1) wins: coarse blocks where they cost
+     little, single tokens where the budget is tight;
+  5. exactly ``budget`` entries per KV head: the window, the chosen blocks,
+     then the best remaining tokens by s'.
+
+Everything is vectorised over (sequence, KV head, segment) with static shapes;
+the budget may be a traced scalar, so one program serves every layer.
+See docs/methods.md for what is from the paper and what is ours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.kernels import segmentation
+from kvjax.policies import blocks
+from kvjax.policies import selection
+from kvjax.policies.baselines import SnapKV
+
+
+class Plan(NamedTuple):
+  """What SABlock decided for one layer (for tests and inspection)."""
+
+  segments: jax.Array  # [B, T] int32 segment id (window and padding: ids past the last)
+  scores: jax.Array  # [B, K, T] float32 segment-guided score s' (0 outside the prefix)
+  allocation: jax.Array  # [B, K, T_seg] int32 entries given to each segment
+  block_size: jax.Array  # [B, K, T_seg] int32 block size chosen per segment
+  keep: jax.Array  # [B, K, T] bool, exactly the budget per head (when the prompt has it)
+
+
+@dataclasses.dataclass(frozen=True)
+class SABlock(SnapKV):
+  """Semantic-aware eviction with an adaptive block size per segment."""
+
+  name: ClassVar[str] = "sablock"
+  window: int = 16  # last prompt tokens whose queries score the rest; always kept
+  kernel: int = 5  # average pooling of the token scores (SnapKV's)
+  delimiter_ids: tuple[int, ...] = ()  # tokens ending a clause; from the tokenizer when empty
+  max_segment: int = 64  # longer segments are split
+  min_segment: int = 4  # shorter pieces merge into the next segment
+  gamma: float = 1.0  # weight of the segment mean in s' = s + gamma * mean_seg(s)
+  epsilon: float = 0.1  # a block size may lose this fraction of R(1)
+  max_block: int = 64  # largest block size tried (powers of two up to it)
+
+  def __post_init__(self):
+    super().__post_init__()
+    blocks.check_ids(self, "delimiter_ids")
+    self._check_int("max_segment", 1)
+    self._check_int("min_segment", 1)
+    self._check_int("max_block", 1)
+    if self.min_segment > self.max_segment:
+      raise ValueError(f"policy {self.name!r}: min_segment {self.min_segment} exceeds "
+                       f"max_segment {self.max_segment}")
+    for field, low in (("gamma", 0.0), ("epsilon", 0.0)):
+      value = getattr(self, field)
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value < (
+          1.0 if field == "epsilon" else float("inf")):
+        bound = "[0, 1)" if field == "epsilon" else ">= 0"
+        raise ValueError(f"policy {self.name!r}: {field} must be a number in {bound}, "
+                         f"got {value!r}")
+
+  def bind(self, tokenizer):
+    if self.delimiter_ids or tokenizer is None:
+      return self
+    return dataclasses.replace(self, delimiter_ids=blocks.delimiter_ids(tokenizer,
+                                                                        blocks.CLAUSE_END))
+
+  def block_sizes(self) -> tuple[int, ...]:
+    """Candidate block sizes: 1, 2, 4, ... up to max_block."""
+    sizes, b = [], 1
+    while b <= self.max_block:
+      sizes.append(b)
+      b *= 2
+    return tuple(sizes)
+
+  def segments(self, tokens: jax.Array, lengths: jax.Array) -> jax.Array:
+    """[B, T] segment ids of the compressible region (tokens before the window)."""
+    if not self.delimiter_ids or tokens is None:
+      raise ValueError("sablock needs delimiter_ids (pass a tokenizer) and the prompt tokens")
+    cut = blocks.is_delimiter(tokens, self.delimiter_ids)
+    return segmentation.segment_ids_checked(
+        cut, jnp.maximum(lengths - self.window, 0), max_segment=self.max_segment,
+        min_segment=self.min_segment)
+
+  def keep(self, scores, prompt, budget, max_budget):
+    return self.plan(scores, prompt, budget, max_budget).keep
+
+  def plan(self, scores, prompt, budget, max_budget: int) -> Plan:
+    """The whole decision from token scores [B, K, T] (``score``'s output)."""
+    b, kh, t = scores.shape
+    prefix, window = blocks.regions(prompt.lengths, t, self.window)
+    seg = self.segments(prompt.tokens, prompt.lengths)
+    s = jnp.where(prefix[:, None] & jnp.isfinite(scores), scores, 0.0)
+    seg_mean = selection.segment_mean(s, seg, prefix)
+    guided = jnp.where(prefix[:, None], s + self.gamma * jnp.where(
+        jnp.isfinite(seg_mean), seg_mean, 0.0), 0.0)  # s' [B, K, T]
+
+    size = blocks.per_segment_sum(prefix.astype(jnp.float32), seg)  # [B, T_seg]
+    importance = blocks.per_segment_sum(guided, seg)  # [B, K, T_seg]
+    room = budget - window.sum(-1)  # [B]
+    alloc = jnp.floor(blocks.water_fill(importance, jnp.broadcast_to(
+        size[:, None], importance.shape), jnp.broadcast_to(room[:, None], (b, kh))) + 1e-4)
+    alloc = alloc.astype(jnp.int32)
+
+    keeps, retained = self._search(guided, seg, prefix, size.astype(jnp.int32), alloc)
+    sizes = jnp.asarray(self.block_sizes(), jnp.int32)
+    # The largest block size that keeps (1 - epsilon) of what single tokens keep.
+    good = retained >= (1.0 - self.epsilon) * retained[:1] - 1e-6  # [n_sizes, B, K, T_seg]
+    choice = jnp.max(jnp.where(good, jnp.arange(len(sizes))[:, None, None, None], 0), axis=0)
+    chosen_tok = blocks.gather_segments(choice, seg)  # [B, K, T]
+    kept = jnp.any(keeps & (chosen_tok[None] == jnp.arange(len(sizes))[:, None, None, None]),
+                   axis=0)
+    chosen = (kept & prefix[:, None]) | window[:, None]
+    keep = blocks.fill_to_budget(chosen, guided, prefix, budget, max_budget)
+    block_size = jnp.minimum(sizes[choice], jnp.maximum(size[:, None], 1).astype(jnp.int32))
+    return Plan(seg, guided, alloc, block_size, keep)
+
+  def _search(self, guided, seg, prefix, size, alloc):
+    """Keep masks [n_sizes, B, K, T] and retained s' [n_sizes, B, K, T_seg] per block size."""
+    b, kh, t = guided.shape
+    idx = jnp.arange(t, dtype=jnp.int32)
+    start = blocks.segment_starts(seg)  # [B, T]
+    offset = idx[None] - start
+    seg_size_tok = blocks.gather_segments(size, seg)  # [B, T]
+    alloc_tok = blocks.gather_segments(alloc, seg)  # [B, K, T]
+    keeps, retained = [], []
+    for bs in self.block_sizes():
+      block = start + (offset // bs) * bs  # [B, T] id of each token's block: its first token
+      is_rep = (idx[None] == block) & prefix
+      total = blocks.per_segment_sum(jnp.where(prefix[:, None], guided, 0.0), block)
+      count = blocks.per_segment_sum(prefix.astype(jnp.float32), block)
+      mean = total / jnp.maximum(count, 1.0)[:, None]  # [B, K, T] at block ids
+      # Rank each block inside its segment: sort by (segment, -mean, index).
+      seg_key = jnp.broadcast_to(jnp.where(is_rep, seg, t)[:, None], guided.shape)
+      mean_key = jnp.where(is_rep[:, None], -mean, 0.0)
+      order = jnp.lexsort((jnp.broadcast_to(idx, guided.shape), mean_key, seg_key), axis=-1)
+      position = jnp.argsort(order, axis=-1)  # where each block id landed
+      n_blocks = blocks.per_segment_sum(is_rep.astype(jnp.int32), seg)  # [B, T_seg]
+      first = jnp.cumsum(n_blocks, -1) - n_blocks  # sorted position of a segment's best block
+      rank = position - blocks.gather_segments(first, seg)[:, None]  # [B, K, T] at block ids
+      # Blocks never exceed their segment; a segment keeps floor(k_seg / b) of them.
+      eff = jnp.minimum(bs, jnp.maximum(seg_size_tok, 1))[:, None]
+      kept_block = is_rep[:, None] & (rank < alloc_tok // eff)
+      keep = jnp.take_along_axis(kept_block, jnp.broadcast_to(block[:, None], guided.shape), -1)
+      keep &= prefix[:, None]
+      keeps.append(keep)
+      retained.append(blocks.per_segment_sum(jnp.where(keep, guided, 0.0), seg))
+    return jnp.stack(keeps), jnp.stack(retained)

@@ -1,0 +1,188 @@
+"""PagedEviction: norm-scored prefill, whole-page eviction while decoding, on hand-made inputs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax import policies
+from kvjax import testing
+from kvjax.cache import PagedKVCache
+from kvjax.cache import Prompt
+
+T, K, G, H, PS = 48, 2, 3, 8, 4
+
+
+def _prompt(length=T):
+  return Prompt(None, jnp.arange(T, dtype=jnp.int32)[None], jnp.asarray([length], jnp.int32))
+
+
+def _kv(v_norms, k_norms=None):
+  """k, v [1, T, K, H] with the given per-(token, head) norms along one axis."""
+  v_norms = np.asarray(v_norms, np.float32)
+  k_norms = np.ones_like(v_norms) if k_norms is None else np.asarray(k_norms, np.float32)
+  k = np.zeros((1, T, K, H), np.float32)
+  v = np.zeros((1, T, K, H), np.float32)
+  k[0, :, :, 0] = k_norms
+  v[0, :, :, 1] = v_norms
+  return jnp.asarray(k), jnp.asarray(v)
+
+
+def _kept(policy, budget, k, v, length=T):
+  select = policy.select(budget, (budget,))
+  slots, _ = select(0, _prompt(length), jnp.zeros((1, T, K * G, H)), k, v)
+  slots = np.asarray(slots)[0]
+  return [np.nonzero(slots[h] >= 0)[0].tolist() for h in range(K)], slots
+
+
+class TestScores:
+
+  @pytest.mark.parametrize("variant,want", [("v_over_k", 2.0), ("v", 4.0), ("inv_k", 0.5),
+                                            ("k_plus_v", 6.0)])
+  def test_variants(self, variant, want):
+    got = policies.blocks.norm_scores(jnp.asarray([2.0]), jnp.asarray([4.0]), variant)
+    np.testing.assert_allclose(got, [want])
+
+  def test_bad_fields(self):
+    with pytest.raises(ValueError, match="variant must be one of"):
+      policies.get("paged_eviction", variant="attention")
+    with pytest.raises(ValueError, match="page_size must be an int >= 1"):
+      policies.get("paged_eviction", page_size=0)
+    with pytest.raises(ValueError, match="must exceed the 32 entries"):
+      policies.get("paged_eviction").validate(32)
+
+
+class TestPrefill:
+
+  def test_keeps_first_and_last_pages_then_the_highest_v_over_k(self):
+    rng = np.random.default_rng(0)
+    v_norms = rng.uniform(1, 2, size=(T, K))
+    v_norms[[9, 21, 30], :] = 10.0  # high ||v||
+    k_norms = np.ones((T, K))
+    k_norms[17, :] = 0.1  # low ||k||: 1 / 0.1 = 10 per unit of ||v||
+    k, v = _kv(v_norms, k_norms)
+    budget = 2 * PS + 4
+    kept, slots = _kept(policies.get("paged_eviction", page_size=PS), budget, k, v, length=46)
+    # First page 0-3, last partial page 44-45 (46 tokens), then 9, 17, 21, 30 and
+    # the best of the rest; both heads alike (one decision per layer).
+    assert kept[0] == kept[1]
+    assert {0, 1, 2, 3, 44, 45, 9, 17, 21, 30} <= set(kept[0])
+    assert len(kept[0]) == budget and max(kept[0]) < 46
+    # Laid out in original order: slots 0, 1, ... in position order.
+    assert slots[0][kept[0]].tolist() == list(range(budget))
+
+  def test_per_head_decides_per_head(self):
+    v_norms = np.ones((T, K))
+    v_norms[10, 0] = v_norms[20, 1] = 10.0
+    k, v = _kv(v_norms)
+    kept, _ = _kept(policies.get("paged_eviction", page_size=PS, per_head=True), 2 * PS + 1,
+                    k, v)
+    assert kept[0] == [0, 1, 2, 3, 10, 44, 45, 46, 47]
+    assert kept[1] == [0, 1, 2, 3, 20, 44, 45, 46, 47]
+
+  def test_exactly_the_budget_and_one_compile_per_budget(self):
+    policy = policies.get("paged_eviction", page_size=PS)
+    rng = np.random.default_rng(1)
+
+    def run(budget, seed):
+      k, v = _kv(np.random.default_rng(seed).uniform(1, 3, (T, K)))
+      fn = jax.jit(lambda k, v: policy.select(budget, (budget,))(
+          0, _prompt(), jnp.zeros((1, T, K * G, H)), k, v)[0])
+      return fn, k, v
+
+    fn, k, v = run(20, 0)
+    with testing.count_compilations() as n:
+      slots = fn(k, v)
+      k2, v2 = _kv(rng.uniform(1, 3, (T, K)))
+      slots2 = fn(k2, v2)
+    assert n[0] == 1
+    for s in (slots, slots2):
+      np.testing.assert_array_equal((np.asarray(s) >= 0).sum(-1), 20)
+
+
+def _full_cache(page_scores, lengths=None):
+  """A cache (B=1, L=1, K=2, page size PS) whose page j holds tokens of ||v|| = page_scores[j].
+
+  page_scores: [pages] (every head alike) or [pages, K].
+  """
+  page_scores = np.asarray(page_scores, np.float32)
+  pages = len(page_scores)
+  t = pages * PS
+  cache = PagedKVCache.create(batch_size=1, capacity=t, num_layers=1, num_kv_heads=K,
+                              head_dim=H, page_size=PS)
+  per_page = page_scores if page_scores.ndim == 2 else page_scores[:, None].repeat(K, 1)
+  v_norms = np.repeat(per_page, PS, axis=0)
+  k = np.zeros((1, t, K, H), np.float32)
+  v = np.zeros((1, t, K, H), np.float32)
+  k[0, :, :, 0] = 1.0
+  v[0, :, :, 1] = v_norms
+  n = t if lengths is None else lengths
+  lens = jnp.full((1, K), n, jnp.int32)
+  cache = cache.set_lengths(0, lens).reserve(lens[:, None])
+  slots = jnp.where(jnp.arange(t) < n, jnp.arange(t, dtype=jnp.int32), -1)
+  return cache.write(0, jnp.asarray(k), jnp.asarray(v), jnp.broadcast_to(slots, (1, K, t)),
+                     jnp.arange(t, dtype=jnp.int32)[None])
+
+
+def _step(policy, cache, limit):
+  limit = jnp.full(cache.lengths.shape, limit, jnp.int32)
+  return policy.before_decode_step(cache, limit, jnp.asarray([cache.max_slots], jnp.int32))
+
+
+class TestDecode:
+
+  def test_evicts_the_lowest_page_never_the_first_or_the_tail(self):
+    # Pages 0 and 4 (first, tail) score lowest, but may not go: page 2 is next.
+    cache = _full_cache([0.1, 5.0, 1.0, 3.0, 0.2])
+    out = _step(policies.get("paged_eviction", page_size=PS), cache, 5 * PS)
+    testing.assert_cache_consistent(out)
+    kept = np.asarray(out.kept_positions())[0, 0]
+    want = list(range(0, 8)) + list(range(12, 20))
+    for h in range(K):
+      assert kept[h][:4 * PS].tolist() == want
+    np.testing.assert_array_equal(out.lengths, 4 * PS)
+    assert int(out.num_free) == int(cache.num_free) + K
+
+  def test_nothing_happens_below_the_limit(self):
+    cache = _full_cache([1.0, 2.0, 3.0, 4.0], lengths=4 * PS - 1)
+    out = _step(policies.get("paged_eviction", page_size=PS), cache, 4 * PS)
+    np.testing.assert_array_equal(out.page_table, cache.page_table)
+    np.testing.assert_array_equal(out.lengths, cache.lengths)
+
+  def test_candidates_limit_the_choice_to_the_oldest_pages(self):
+    cache = _full_cache([1.0, 5.0, 4.0, 0.5, 1.0])
+    out = _step(policies.get("paged_eviction", page_size=PS, candidates=2), cache, 5 * PS)
+    kept = np.asarray(out.kept_positions())[0, 0, 0]
+    assert kept[:4 * PS].tolist() == list(range(0, 8)) + list(range(12, 20))  # page 2, not 3
+
+  def test_one_decision_per_layer_unless_per_head(self):
+    # Alone, head 0 would drop page 2 (1.5 < 2) and head 1 page 1 (1 < 3); summed
+    # over the layer's heads page 1 (3) is lower than page 2 (4.5).
+    scores = np.array([[1, 1], [2, 1], [1.5, 3], [9, 9], [1, 1]], np.float32)
+    cache = _full_cache(scores)
+    page_of = lambda out: [sorted(set(range(20)) - set(np.asarray(out.kept_positions())[
+        0, 0, h][:16].tolist()))[0] // PS for h in range(K)]
+    shared = _step(policies.get("paged_eviction", page_size=PS), cache, 5 * PS)
+    own = _step(policies.get("paged_eviction", page_size=PS, per_head=True), cache, 5 * PS)
+    assert page_of(shared) == [1, 1]
+    assert page_of(own) == [2, 1]
+
+  def test_a_partial_tail_page_is_never_evicted_and_no_recompile(self):
+    policy = policies.get("paged_eviction", page_size=PS)
+    cache = _full_cache([3.0, 1.0, 2.0, 0.1, 0.1], lengths=4 * PS + 1)  # tail page holds 1
+    step = jax.jit(lambda c: _step(policy, c, 4 * PS + 1))
+    with testing.count_compilations() as n:
+      out = step(cache)
+      out2 = step(_full_cache([3.0, 2.0, 1.0, 0.1, 0.1], lengths=4 * PS + 1))
+    assert n[0] == 1
+    # Page 3 (0.1) is not the tail: the tail is page 4 with one entry.
+    assert np.asarray(out.kept_positions())[0, 0, 0][:3 * PS + 1].tolist() == (
+        list(range(12)) + [16])
+    assert np.asarray(out2.kept_positions())[0, 0, 0][:3 * PS + 1].tolist() == (
+        list(range(12)) + [16])
+
+  def test_page_size_must_match_the_cache(self):
+    cache = _full_cache([1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="page_size=16 but the cache has page_size=4"):
+      _step(policies.get("paged_eviction"), cache, 3 * PS)

@@ -1,0 +1,125 @@
+"""SABlock: segments on real text, water-filled budgets, the block-size search, exactly B."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import policies
+from kvjax import testing
+from kvjax.cache import Prompt
+from kvjax.policies import blocks
+
+DELIM = 1  # the delimiter token of the hand-made prompts
+
+
+def _prompt(tokens, length=None):
+  tokens = jnp.asarray(tokens, jnp.int32)[None]
+  t = tokens.shape[1]
+  return Prompt(tokens, jnp.arange(t, dtype=jnp.int32)[None],
+                jnp.asarray([t if length is None else length], jnp.int32))
+
+
+def test_segments_fall_on_punctuation_of_real_text(smollm2_lm):
+  tok = smollm2_lm.tokenizer
+  policy = policies.get("sablock", window=4, min_segment=1, max_segment=64).bind(tok)
+  text = ("The cat sat on the mat, and the dog barked loudly at it. Then it rained; "
+          "everyone left!\nA new line starts here: the end is near. 我喜欢猫。好的 and a few more words")
+  ids = tok.encode(text)
+  seg = np.asarray(policy.segments(jnp.asarray([ids]), jnp.asarray([len(ids)])))[0]
+  region = len(ids) - policy.window
+  ends = [i for i in range(region - 1) if seg[i + 1] != seg[i]]
+  ends_text = [tok.decode([ids[i]]) for i in ends]
+  assert ends_text == [",", ".", ";", "!", "\n", ":", ".", "。"]
+  # Every punctuation token of the region ends a segment.
+  punct = [i for i in range(region - 1) if tok.decode([ids[i]]).strip(" ") in
+           (",", ".", ";", "!", "\n", ":", "。")]
+  assert ends == punct
+  # min / max segment lengths are honoured.
+  coarse = policies.get("sablock", window=4, min_segment=12, max_segment=16).bind(tok)
+  seg = np.asarray(coarse.segments(jnp.asarray([ids]), jnp.asarray([len(ids)])))[0][:region]
+  counts = np.bincount(seg)
+  assert counts.max() <= 16 and (counts[:-1] >= 12).all()
+
+
+def test_water_fill_caps_segments_at_their_size():
+  imp = jnp.asarray([[4.0, 1.0, 1.0, 0.0]])
+  size = jnp.asarray([[2.0, 10.0, 10.0, 0.0]])
+  alloc = blocks.water_fill(imp, size, jnp.asarray([8.0]))
+  # Segment 0 is capped at 2; the other 6 split evenly.
+  np.testing.assert_allclose(alloc, [[2.0, 3.0, 3.0, 0.0]], atol=1e-4)
+  np.testing.assert_allclose(blocks.water_fill(imp, size, jnp.asarray([100.0])), size)
+
+
+def _one_segment_inputs(peaks, seg_len=16, window=4, k=2):
+  """One 16-token segment (delimiter at its end) + window; scores: 1 on `peaks`, 0.01 else."""
+  t = seg_len + window
+  tokens = np.full(t, 7)
+  tokens[seg_len - 1] = DELIM
+  scores = np.full((1, k, t), 0.01, np.float32)
+  scores[0, :, peaks] = 1.0
+  scores[0, :, seg_len:] = 2.0  # the window (always kept)
+  return jnp.asarray(scores), _prompt(tokens)
+
+
+def _plan(policy, scores, prompt, budget):
+  return policy.plan(scores, prompt, budget, budget)
+
+
+def test_search_picks_single_tokens_under_a_tight_budget():
+  policy = policies.get("sablock", window=4, kernel=1, delimiter_ids=(DELIM,), gamma=0.0,
+                        min_segment=1, max_block=16)
+  scores, prompt = _one_segment_inputs(peaks=[3, 11])
+  plan = _plan(policy, scores, prompt, 4 + 2)
+  assert int(plan.allocation[0, 0, 0]) == 2
+  assert int(plan.block_size[0, 0, 0]) == 1
+  kept = np.nonzero(np.asarray(plan.keep[0, 0]))[0].tolist()
+  assert kept == [3, 11, 16, 17, 18, 19]
+
+
+def test_search_picks_large_blocks_under_a_loose_budget():
+  policy = policies.get("sablock", window=4, kernel=1, delimiter_ids=(DELIM,), gamma=0.0,
+                        min_segment=1, max_block=16)
+  scores, prompt = _one_segment_inputs(peaks=[3, 11])
+  plan = _plan(policy, scores, prompt, 4 + 16)  # the whole segment fits
+  assert int(plan.block_size[0, 0, 0]) == 16
+  # A budget of 8 in the segment: blocks of 8 keep only one peak (R = 1.07 < 0.9 * 2.06),
+  # blocks of 4 keep both peaks ([0, 4) and [8, 12)): b = 4.
+  plan = _plan(policy, scores, prompt, 4 + 8)
+  assert int(plan.block_size[0, 0, 0]) == 4
+  kept = np.nonzero(np.asarray(plan.keep[0, 0]))[0].tolist()
+  assert kept == [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19]
+
+
+def _random_inputs(seed, t=96, kh=2, g=3, h=8):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.normal(size=(1, t, kh * g, h)), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(1, t, kh, h)), jnp.float32)
+  tokens = rng.integers(2, 50, size=t)
+  tokens[rng.random(t) < 0.15] = DELIM
+  return q, k, _prompt(tokens)
+
+
+@pytest.mark.parametrize("budget", [12, 40, 90])
+def test_exactly_the_budget_per_head_and_one_compile_per_budget(budget):
+  policy = policies.get("sablock", window=8, delimiter_ids=(DELIM,))
+  select = jax.jit(lambda q, k, prompt: policy.select(budget, (budget,))(0, prompt, q, k, k)[0])
+  inputs = [_random_inputs(seed) for seed in range(2)]
+  with testing.count_compilations() as n:
+    outs = [select(*x) for x in inputs]
+  assert n[0] == 1
+  for slots in map(np.asarray, outs):
+    np.testing.assert_array_equal((slots >= 0).sum(-1), budget)
+    assert (slots[..., -8:] >= 0).all()  # the window is always kept
+
+
+def test_needs_delimiters_and_checks_fields():
+  q, k, prompt = _random_inputs(0)
+  with pytest.raises(ValueError, match="needs delimiter_ids"):
+    policies.get("sablock").select(20, (20,))(0, prompt, q, k, k)
+  with pytest.raises(ValueError, match="min_segment 8 exceeds max_segment 4"):
+    policies.get("sablock", min_segment=8, max_segment=4)
+  with pytest.raises(ValueError, match=r"epsilon must be a number in \[0, 1\)"):
+    policies.get("sablock", epsilon=1.0)
+  with pytest.raises(ValueError, match="delimiter_ids must be a sequence"):
+    policies.get("sablock", delimiter_ids="abc")
