@@ -1,21 +1,40 @@
 """The one switch between Pallas kernels and their XLA (jnp) references.
 
-``"auto"`` picks Pallas on GPU/TPU when a Pallas kernel is registered and the
-XLA reference elsewhere; ``"xla"`` and ``"pallas"`` force one side. A forced
-``"pallas"`` on CPU runs the kernel in Pallas' interpreter (slow, but the same
-kernel body), so CPU tests exercise it.
+Every kernel op has an ``"xla"`` implementation (its reference) and a
+``"pallas"`` one, with one signature. ``"auto"`` picks Pallas on GPU/TPU when
+the op has a Pallas kernel and XLA elsewhere; ``"xla"`` and ``"pallas"``
+force one side. A forced ``"pallas"`` on CPU runs the kernel in Pallas'
+interpreter (slow, but the same kernel body), so CPU tests exercise it.
+
+Ops (name: signature of the reference):
+  paged_attention   kvjax.kernels.paged_attention.paged_attention_reference
+  window_scores     kvjax.kernels.window_scoring.window_scores_reference
+  token_norms       kvjax.kernels.window_scoring.token_norms_reference
+  compact_slots     kvjax.kernels.compaction.compact_slots_reference
+
+Code whose signature cannot carry a backend (a policy's ``score``) asks for
+the ambient one, ``current()``, which generation sets with ``use(backend)``
+while it traces a program; outside ``use`` it is "xla".
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Callable
 
 import jax
 
-# Names, not the module: kvjax.kernels re-exports the kernel function under the
+# Names, not the modules: kvjax.kernels re-exports the kernel function under the
 # module's own name, so `from kvjax.kernels import paged_attention` is the function.
+from kvjax.kernels.compaction import compact_slots
+from kvjax.kernels.compaction import compact_slots_reference
 from kvjax.kernels.paged_attention import paged_attention
 from kvjax.kernels.paged_attention import paged_attention_reference
+from kvjax.kernels.window_scoring import token_norms
+from kvjax.kernels.window_scoring import token_norms_reference
+from kvjax.kernels.window_scoring import window_scores
+from kvjax.kernels.window_scoring import window_scores_reference
 
 BACKENDS = ("auto", "xla", "pallas")
 
@@ -31,32 +50,91 @@ def _pallas_paged_attention(q, k_pages, v_pages, page_table, lengths, *, return_
                          return_weights=return_weights, interpret=_interpret())
 
 
-# name -> implementation; Pallas kernels register themselves here.
-_PAGED_ATTENTION: dict[str, Callable] = {
-    "xla": paged_attention_reference,
+def _pallas_window_scores(q, k, lengths, *, window, pool=1, group="mean", v=None,
+                          return_norms=False):
+  return window_scores(q, k, lengths, window=window, pool=pool, group=group, v=v,
+                       return_norms=return_norms, interpret=_interpret())
+
+
+def _pallas_token_norms(x):
+  return token_norms(x, interpret=_interpret())
+
+
+def _pallas_compact_slots(pools, page_table, lengths, keep, *, fills):
+  return compact_slots(pools, page_table, lengths, keep, fills=fills, interpret=_interpret())
+
+
+# op -> backend -> implementation.
+_OPS: dict[str, dict[str, Callable]] = {
+    "paged_attention": {"xla": paged_attention_reference, "pallas": _pallas_paged_attention},
+    "window_scores": {"xla": window_scores_reference, "pallas": _pallas_window_scores},
+    "token_norms": {"xla": token_norms_reference, "pallas": _pallas_token_norms},
+    "compact_slots": {"xla": compact_slots_reference, "pallas": _pallas_compact_slots},
 }
-_PAGED_ATTENTION["pallas"] = _pallas_paged_attention
+
+
+def ops() -> list[str]:
+  """Names of the registered ops."""
+  return sorted(_OPS)
+
+
+def register(op: str, backend: str, fn: Callable) -> None:
+  """Registers an implementation of ``op`` (new or existing) for a concrete backend."""
+  if backend not in ("xla", "pallas"):
+    raise ValueError(f"can register only 'xla' or 'pallas' implementations, got {backend!r}")
+  _OPS.setdefault(op, {})[backend] = fn
 
 
 def register_paged_attention(backend: str, fn: Callable) -> None:
   """Registers an implementation of paged decode attention for a backend."""
-  _PAGED_ATTENTION[backend] = fn
+  register("paged_attention", backend, fn)
 
 
-def resolve(backend: str) -> str:
-  """Maps "auto" to a concrete backend; validates the name."""
+def resolve(backend: str, op: str = "paged_attention") -> str:
+  """Maps "auto" to a concrete backend for ``op``; validates the names."""
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  if op not in _OPS:
+    raise ValueError(f"unknown kernel op {op!r}; known ops: {ops()}")
+  impls = _OPS[op]
   if backend == "auto":
     on_accelerator = jax.default_backend() in ("gpu", "tpu")
-    return "pallas" if on_accelerator and "pallas" in _PAGED_ATTENTION else "xla"
-  if backend not in _PAGED_ATTENTION:
-    raise ValueError(
-        f"backend {backend!r} has no paged attention implementation in this "
-        f"build; available: {sorted(_PAGED_ATTENTION)}")
+    return "pallas" if on_accelerator and "pallas" in impls else "xla"
+  if backend not in impls:
+    raise ValueError(f"backend {backend!r} has no {op} implementation in this build; "
+                     f"available: {sorted(impls)}")
   return backend
+
+
+def get(op: str, backend: str | None = None) -> Callable:
+  """The implementation of ``op`` for a backend (default: the ambient ``current()``)."""
+  return _OPS[op][resolve(current() if backend is None else backend, op)]
 
 
 def paged_attention_fn(backend: str) -> Callable:
   """The paged decode attention of a backend (signature of the reference)."""
-  return _PAGED_ATTENTION[resolve(backend)]
+  return get("paged_attention", backend)
+
+
+_CURRENT = contextvars.ContextVar("kvjax_backend", default="xla")
+
+
+def current() -> str:
+  """The ambient backend (set by ``use``; "xla" outside it)."""
+  return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def use(backend: str):
+  """Makes ``backend`` the ambient one inside the block (while tracing, for jitted code).
+
+  The choice is read when a function is traced, so a jitted program must have
+  the backend among its static arguments (generation keys programs by it).
+  """
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  token = _CURRENT.set(backend)
+  try:
+    yield
+  finally:
+    _CURRENT.reset(token)

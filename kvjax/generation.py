@@ -98,7 +98,8 @@ def generate(
     chat_template: wrap each string prompt as a user turn of the model's chat template.
     stop_ids: ids that end a sequence (default: the tokenizer's stop ids).
     page_size: slots per cache page.
-    backend: "auto", "xla" or "pallas" for paged decode attention.
+    backend: "auto", "xla" or "pallas" for the kernels: paged decode attention,
+      and the policy's prefill scoring (window scores, key norms).
     pad_multiple: prompts are right-padded to a multiple of this many tokens.
     attention_block: block size of the prefill's causal attention (its logits
       are [B, N, block, block] at a time).
@@ -180,7 +181,7 @@ def generate(
 
   cache, logits = run(
       "prefill", _prefill, (lm.params, cache, jnp.asarray(tokens), jnp.asarray(lengths)),
-      policy=policy, block=attention_block, budget=budget, budgets=budgets)
+      policy=policy, block=attention_block, budget=budget, budgets=budgets, backend=backend)
   next_pos = lengths
   if q_tokens is not None:
     cache, logits = run(
@@ -208,8 +209,18 @@ def generate(
 # ------------------------------------------------------------------ programs
 
 
-def _prefill(params, cache, tokens, lengths, *, graphdef, policy, block, budget, budgets):
-  """Prompt forward pass that fills (and compresses) the cache; returns (cache, logits [B, V])."""
+def _prefill(params, cache, tokens, lengths, *, graphdef, policy, block, budget, budgets,
+             backend):
+  """Prompt forward pass that fills (and compresses) the cache; returns (cache, logits [B, V]).
+
+  The policy's scoring kernels (window scores, norms) run on ``backend``.
+  """
+  with backend_lib.use(backend):
+    return _prefill_body(params, cache, tokens, lengths, graphdef=graphdef, policy=policy,
+                         block=block, budget=budget, budgets=budgets)
+
+
+def _prefill_body(params, cache, tokens, lengths, *, graphdef, policy, block, budget, budgets):
   model = nnx.merge(graphdef, params)
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
   select = policy.select(budget, budgets)
