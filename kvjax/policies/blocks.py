@@ -118,8 +118,9 @@ def fill_to_budget(chosen: jax.Array, scores: jax.Array, valid: jax.Array, budge
   """Tops a keep mask up with the best unchosen valid tokens so each head keeps ``budget``.
 
   Args:
-    chosen: bool [B, K, T], at most ``budget`` per head.
-    scores: [B, K, T] ranking of the rest (higher first).
+    chosen: bool [B, K, T], normally at most ``budget`` per head (beyond it the
+      lowest-scoring chosen tokens are dropped: give must-keep tokens +inf).
+    scores: [B, K, T] ranking (higher first).
     valid: bool [B, T] (or [B, K, T]) tokens that may be kept.
     budget: kept entries per head (int or traced scalar <= max_budget).
 
@@ -127,6 +128,10 @@ def fill_to_budget(chosen: jax.Array, scores: jax.Array, valid: jax.Array, budge
     bool [B, K, T]: ``budget`` per head, or every valid token when fewer exist.
   """
   valid = jnp.broadcast_to(valid if valid.ndim == 3 else valid[:, None], scores.shape)
+  # Should rounding ever leave more than the budget chosen, the lowest-scoring go.
+  ranked = jnp.where(chosen, jnp.where(jnp.isnan(scores), jnp.finfo(jnp.float32).min, scores),
+                     -jnp.inf)
+  chosen = chosen & selection.keep_top(ranked, budget, max_budget)
   rest = jnp.where(chosen | ~valid, -jnp.inf, scores)
   rest = jnp.where(jnp.isnan(rest), jnp.finfo(jnp.float32).min, rest)
   need = budget - chosen.sum(-1, keepdims=True)

@@ -129,5 +129,6 @@ class DynSplitKV(SnapKV):
         jnp.arange(b)[:, None, None], jnp.arange(kh)[None, :, None],
         jnp.broadcast_to(target, kept_tile.shape)].max(kept_tile, mode="drop")
     chosen = (chosen & prefix[:, None]) | window[:, None]
-    keep = blocks.fill_to_budget(chosen, scores, prefix, budget, max_budget)
+    keep = blocks.fill_to_budget(chosen, jnp.where(window[:, None], jnp.inf, scores), prefix,
+                                 budget, max_budget)
     return Plan(starts, sizes, block_scores, keep)

@@ -88,7 +88,8 @@ class PagedEviction(Policy):
     last_page = pos >= ((length - 1) // self.page_size) * self.page_size
     forced = valid & ((pos < self.page_size) | last_page | (pos >= length - self.window))
     chosen = jnp.broadcast_to(forced[:, None], scores.shape)
-    return blocks.fill_to_budget(chosen, scores, valid, budget, max_budget)
+    return blocks.fill_to_budget(chosen, jnp.where(chosen, jnp.inf, scores), valid, budget,
+                                 max_budget)
 
   # ---------------------------------------------------------------- decode
 

@@ -131,7 +131,8 @@ class SABlock(SnapKV):
     kept = jnp.any(keeps & (chosen_tok[None] == jnp.arange(len(sizes))[:, None, None, None]),
                    axis=0)
     chosen = (kept & prefix[:, None]) | window[:, None]
-    keep = blocks.fill_to_budget(chosen, guided, prefix, budget, max_budget)
+    keep = blocks.fill_to_budget(chosen, jnp.where(window[:, None], jnp.inf, guided), prefix,
+                                 budget, max_budget)
     block_size = jnp.minimum(sizes[choice], jnp.maximum(size[:, None], 1).astype(jnp.int32))
     return Plan(seg, guided, alloc, block_size, keep)
 
