@@ -15,19 +15,21 @@ are never repeated.
 Two implementations with one signature:
   paged_attention_reference   float32 jnp, the definition (XLA backend).
   paged_attention             Pallas kernel: one grid program per (sequence,
-                              KV head) serving its G query heads, online
-                              softmax over blocks of pages.
+                              hb KV heads) serving their G query heads each,
+                              online softmax over blocks of pages.
 
 How pages reach the kernel differs between Mosaic (TPU) and Triton (GPU); the
-choice is made in one place, ``_page_fetch``:
+platform is chosen in ``kvjax.kernels.platform``, the form here in ``_page_fetch``:
   "pipelined" (TPU)  page table and lengths are scalar-prefetched into SMEM;
-                     grid (B, K, blocks); each page of a block is its own
+                     grid (B, K / hb, blocks); each page of a block is its own
                      BlockSpec whose index map reads the page table, so the
                      Pallas pipeline DMAs (and double-buffers) just the pages
                      a head owns; the softmax state lives in VMEM scratch.
   "looped" (GPU)     Triton has neither scalar prefetch nor scratch: grid
-                     (B, K); the kernel reads its page-table row and gathers
-                     pages from the whole pool inside a loop over blocks.
+                     (B, K / hb); the kernel reads its page-table rows and
+                     gathers pages from the whole pool inside a loop over blocks.
+Block sizes (pages per block, KV heads per program) are a frozen dataclass,
+``PagedAttentionBlockSizes``.
 On CPU the kernel runs in interpret mode: the generic interpreter runs the
 looped kernel, TPU interpret mode runs the pipelined one.
 """
@@ -42,6 +44,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
+
+from kvjax.kernels import platform
 
 # Dtypes the kernel takes for queries, keys and values.
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -111,14 +115,19 @@ class PagedAttentionBlockSizes:
     pages_per_block: pages attended together in one online-softmax step
       (C = pages_per_block * S_page slots). Wider blocks give wider matmuls and
       fewer rescales; the page table is padded with absent pages to a multiple.
+    kv_heads_per_block: KV heads (each with its G query heads) one grid
+      program serves; must divide K. More heads per program amortise the
+      per-step cost when heads are short; fewer give more parallel programs.
   """
 
   pages_per_block: int
+  kv_heads_per_block: int = 1
 
   def __post_init__(self):
-    ppb = self.pages_per_block
-    if isinstance(ppb, bool) or not isinstance(ppb, int) or ppb <= 0:
-      raise ValueError(f"pages_per_block must be a positive int, got {ppb!r}")
+    for name in ("pages_per_block", "kv_heads_per_block"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
   @classmethod
   def get_default(cls, page_size: int, max_pages: int) -> "PagedAttentionBlockSizes":
@@ -180,27 +189,28 @@ def _finish(carry):
 
 
 def paged_attention_pipelined_kernel(
-    table_ref, lengths_ref, q_ref, *refs, num_kv_heads: int, pages_per_block: int,
-    return_weights: bool, scale: float):
-  """Grid (B, K, blocks); the TPU form (pages arrive through BlockSpecs).
+    table_ref, lengths_ref, q_ref, *refs, num_kv_heads: int, heads_per_block: int,
+    pages_per_block: int, return_weights: bool, scale: float):
+  """Grid (B, K / hb, blocks); the TPU form (pages arrive through BlockSpecs).
 
-  Refs:
+  Refs (hb = heads_per_block):
     table_ref: [B * K * P_pad] int32 page ids (scalar prefetch, SMEM).
     lengths_ref: [B * K] int32 (scalar prefetch, SMEM).
-    q_ref: [G, H].
-    refs: pages_per_block key pages [S_page, H], as many value pages; then
-      out [G, H], lse [G, 1]; with return_weights block numerators [G, C] and
-      the running max they were taken against [G, 1]; then VMEM scratch
-      running max [G, 1], denominator [G, 1], accumulator [G, H].
+    q_ref: [hb, G, H].
+    refs: hb * pages_per_block key pages [S_page, H] (head-major), as many
+      value pages; then out [hb, G, H], lse [hb, G, 1]; with return_weights
+      block numerators [hb, G, C] and the running max they were taken against
+      [hb, G, 1]; then VMEM scratch running max [hb, G, 1], denominator
+      [hb, G, 1], accumulator [hb, G, H].
   """
-  ppb = pages_per_block
-  k_refs, v_refs = refs[:ppb], refs[ppb:2 * ppb]
-  out_ref, lse_ref = refs[2 * ppb:2 * ppb + 2]
-  weight_refs = refs[2 * ppb + 2:2 * ppb + 4] if return_weights else ()
+  ppb, hb = pages_per_block, heads_per_block
+  n_pages = hb * ppb
+  k_refs, v_refs = refs[:n_pages], refs[n_pages:2 * n_pages]
+  out_ref, lse_ref = refs[2 * n_pages:2 * n_pages + 2]
+  weight_refs = refs[2 * n_pages + 2:2 * n_pages + 4] if return_weights else ()
   m_ref, l_ref, acc_ref = refs[-3:]
-  b, kh, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  b, kb, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   c = ppb * k_refs[0].shape[0]
-  length = lengths_ref[b * num_kv_heads + kh]
   start = j * c
 
   @pl.when(j == 0)
@@ -209,85 +219,86 @@ def paged_attention_pipelined_kernel(
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-  # Blocks past the length do nothing; their index maps repeat the last page,
-  # so the pipeline issues no DMA for them either. Their weight blocks are left
-  # unwritten: the wrapper masks weights by length.
-  @pl.when(start < length)
-  def _step():
-    k = jnp.concatenate([r[...] for r in k_refs], axis=0) if ppb > 1 else k_refs[0][...]
-    v = jnp.concatenate([r[...] for r in v_refs], axis=0) if ppb > 1 else v_refs[0][...]
+  # Blocks past a head's length do nothing; their index maps repeat the last
+  # page, so the pipeline issues no DMA for them either. Their weight blocks
+  # are left unwritten: the wrapper masks weights by length.
+  def step(i, length):
+    k_head = k_refs[i * ppb:(i + 1) * ppb]
+    v_head = v_refs[i * ppb:(i + 1) * ppb]
+    k = jnp.concatenate([r[...] for r in k_head], axis=0) if ppb > 1 else k_head[0][...]
+    v = jnp.concatenate([r[...] for r in v_head], axis=0) if ppb > 1 else v_head[0][...]
     valid = start + jax.lax.broadcasted_iota(jnp.int32, (1, c), 1) < length
     # Full [C, H] (no broadcast of a mask across lanes in Mosaic).
     valid_rows = start + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0) < length
-    carry, p = _attend_block(q_ref[...], k, v, valid, valid_rows,
-                             (m_ref[...], l_ref[...], acc_ref[...]), scale=scale)
-    m_ref[...], l_ref[...], acc_ref[...] = carry
+    carry, p = _attend_block(q_ref[i], k, v, valid, valid_rows,
+                             (m_ref[i], l_ref[i], acc_ref[i]), scale=scale)
+    m_ref[i], l_ref[i], acc_ref[i] = carry
     if return_weights:
-      weight_refs[0][...] = p
-      weight_refs[1][...] = carry[0]
+      weight_refs[0][i] = p
+      weight_refs[1][i] = carry[0]
+
+  for i in range(hb):
+    length = lengths_ref[b * num_kv_heads + kb * hb + i]
+    pl.when(start < length)(functools.partial(step, i, length))
 
   @pl.when(j == pl.num_programs(2) - 1)
   def _write():
-    out, lse = _finish((m_ref[...], l_ref[...], acc_ref[...]))
-    out_ref[...] = out.astype(out_ref.dtype)
-    lse_ref[...] = lse
+    for i in range(hb):
+      out, lse = _finish((m_ref[i], l_ref[i], acc_ref[i]))
+      out_ref[i] = out.astype(out_ref.dtype)
+      lse_ref[i] = lse
 
 
 def paged_attention_looped_kernel(
     table_ref, lengths_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *weight_refs,
     pages_per_block: int, scale: float):
-  """Grid (B, K); the GPU form (the kernel gathers pages itself).
+  """Grid (B, K / hb); the GPU form (the kernel gathers pages itself).
 
-  Refs:
-    table_ref: [P_pad] int32 page ids of this (sequence, KV head).
-    lengths_ref: [1] int32 its length.
-    q_ref: [G_pad, H] its query heads, zero-padded to a tl.dot-friendly count.
+  Refs (hb = KV heads per program):
+    table_ref: [hb, P_pad] int32 page ids of these (sequence, KV head)s.
+    lengths_ref: [hb] int32 their lengths.
+    q_ref: [hb, G_pad, H] their query heads, zero-padded to a tl.dot-friendly count.
     k_ref, v_ref: [P, S_page, H] the whole pools.
-    out_ref: [G_pad, H]; lse_ref: [G_pad].
-    weight_refs: with return_weights, block numerators [blocks, G_pad, C] and
-      the running max each block was taken against [blocks, G_pad].
+    out_ref: [hb, G_pad, H]; lse_ref: [hb, G_pad].
+    weight_refs: with return_weights, block numerators [hb, blocks, G_pad, C]
+      and the running max each block was taken against [hb, blocks, G_pad].
   """
   page_size, h = k_ref.shape[1:]
   c = pages_per_block * page_size
-  length = lengths_ref[0]
-  q = q_ref[...]
-  g = q.shape[0]
+  hb, g = q_ref.shape[:2]
 
-  def block(j, carry):
-    pages = jnp.maximum(table_ref[pl.ds(j * pages_per_block, pages_per_block)], 0)
-    k = k_ref[pages].reshape(c, h)
-    v = v_ref[pages].reshape(c, h)
-    slot = j * c + jnp.arange(c)
-    valid = slot[None, :] < length
-    carry, p = _attend_block(q, k, v, valid, slot[:, None] < length, carry, scale=scale)
-    if weight_refs:
-      weight_refs[0][j] = p
-      weight_refs[1][j] = carry[0].reshape(g)
-    return carry
+  for i in range(hb):
+    length = lengths_ref[i]
+    q = q_ref[i]
 
-  init = (jnp.full((g, 1), -jnp.inf, jnp.float32), jnp.zeros((g, 1), jnp.float32),
-          jnp.zeros((g, h), jnp.float32))
-  # Only the blocks below the length are visited (never past the table, should
-  # a length exceed P_max * S_page); the rest of the weight blocks stay
-  # unwritten (the wrapper masks weights by length).
-  num_blocks = jnp.minimum(pl.cdiv(length, c), table_ref.shape[0] // pages_per_block)
-  out, lse = _finish(jax.lax.fori_loop(0, num_blocks, block, init))
-  out_ref[...] = out.astype(out_ref.dtype)
-  lse_ref[...] = lse.reshape(g)
+    def block(j, carry, i=i, length=length, q=q):
+      pages = jnp.maximum(table_ref[i, pl.ds(j * pages_per_block, pages_per_block)], 0)
+      k = k_ref[pages].reshape(c, h)
+      v = v_ref[pages].reshape(c, h)
+      slot = j * c + jnp.arange(c)
+      valid = slot[None, :] < length
+      carry, p = _attend_block(q, k, v, valid, slot[:, None] < length, carry, scale=scale)
+      if weight_refs:
+        weight_refs[0][i, j] = p
+        weight_refs[1][i, j] = carry[0].reshape(g)
+      return carry
+
+    init = (jnp.full((g, 1), -jnp.inf, jnp.float32), jnp.zeros((g, 1), jnp.float32),
+            jnp.zeros((g, h), jnp.float32))
+    # Only the blocks below the length are visited (never past the table, should
+    # a length exceed P_max * S_page); the rest of the weight blocks stay
+    # unwritten (the wrapper masks weights by length).
+    num_blocks = jnp.minimum(pl.cdiv(length, c), table_ref.shape[1] // pages_per_block)
+    out, lse = _finish(jax.lax.fori_loop(0, num_blocks, block, init))
+    out_ref[i] = out.astype(out_ref.dtype)
+    lse_ref[i] = lse.reshape(g)
 
 
 # ------------------------------------------------------------------ TPU / GPU switch
 
 
-def _tpu_interpret_forced() -> bool:
-  """Whether ``pltpu.force_tpu_interpret_mode()`` is active (then Mosaic's form runs)."""
-  from jax._src import config as jax_config  # pylint: disable=g-import-not-at-top
-  flag = getattr(jax_config, "pallas_tpu_interpret_mode_context_manager", None)
-  return flag is not None and flag.value is not None
-
-
 def _page_fetch(interpret) -> str:
-  """The one TPU/GPU decision: "pipelined" for Mosaic, "looped" for Triton.
+  """"pipelined" for Mosaic, "looped" for Triton (the platform is chosen in ``platform``).
 
   Mosaic wants scalar-prefetched tables driving BlockSpec index maps (its
   pipeline then DMAs only the pages a head owns); Triton supports neither
@@ -295,13 +306,13 @@ def _page_fetch(interpret) -> str:
   generic CPU interpreter runs the looped form; TPU interpret mode (an
   ``InterpretParams`` or ``force_tpu_interpret_mode``) the pipelined one.
   """
-  if isinstance(interpret, pltpu.InterpretParams) or _tpu_interpret_forced():
-    return "pipelined"
-  return "pipelined" if jax.default_backend() == "tpu" else "looped"
+  return "pipelined" if platform.lowering(interpret) == platform.TPU else "looped"
 
 
-def _call_pipelined(q, k_pages, v_pages, table, lengths, *, ppb, return_weights, interpret):
-  """Runs the pipelined kernel. q [B, K, G, H]; table [B, K, P_pad]; lengths [B, K].
+def _call_pipelined(q, k_pages, v_pages, table, lengths, *, ppb, return_weights, interpret,
+                    hb=1):
+  """Runs the pipelined kernel. q [B, K, G, H]; table [B, K, P_pad]; lengths [B, K];
+  hb KV heads per program.
 
   Returns out [B, K, G, H], lse [B, K, G] and, with return_weights, block
   numerators [B, K, blocks, G, C] and their running maxima [B, K, blocks, G].
@@ -311,9 +322,9 @@ def _call_pipelined(q, k_pages, v_pages, table, lengths, *, ppb, return_weights,
   page_size = k_pages.shape[1]
   nb, c = p_pad // ppb, ppb * page_size
 
-  def page_map(i):
-    def index_map(bi, ki, j, table_ref, lengths_ref):
-      row = bi * kh + ki
+  def page_map(head, i):
+    def index_map(bi, kb, j, table_ref, lengths_ref):
+      row = bi * kh + kb * hb + head
       # Past the length, repeat the head's last page: an unchanged block index
       # makes the pipeline skip the copy.
       # lax.div (truncating, exact for lengths >= 0) rather than //: Mosaic
@@ -324,36 +335,38 @@ def _call_pipelined(q, k_pages, v_pages, table, lengths, *, ppb, return_weights,
       return jnp.maximum(page, 0), 0, 0
     return index_map
 
-  page_specs = [pl.BlockSpec((None, page_size, h), page_map(i)) for i in range(ppb)]
-  head = lambda bi, ki, j, *_: (bi, ki, 0, 0)
-  blk = lambda bi, ki, j, *_: (bi, ki, j, 0, 0)
+  page_specs = [pl.BlockSpec((None, page_size, h), page_map(head, i))
+                for head in range(hb) for i in range(ppb)]
+  heads = lambda bi, kb, j, *_: (bi, kb, 0, 0)
+  blk = lambda bi, kb, j, *_: (bi, kb, j, 0, 0)
   out_shape = [jax.ShapeDtypeStruct((b, kh, g, h), q.dtype),
                jax.ShapeDtypeStruct((b, kh, g, 1), jnp.float32)]
-  out_specs = [pl.BlockSpec((None, None, g, h), head), pl.BlockSpec((None, None, g, 1), head)]
+  out_specs = [pl.BlockSpec((None, hb, g, h), heads), pl.BlockSpec((None, hb, g, 1), heads)]
   if return_weights:
     out_shape += [jax.ShapeDtypeStruct((b, kh, nb, g, c), jnp.float32),
                   jax.ShapeDtypeStruct((b, kh, nb, g, 1), jnp.float32)]
-    out_specs += [pl.BlockSpec((None, None, None, g, c), blk),
-                  pl.BlockSpec((None, None, None, g, 1), blk)]
+    out_specs += [pl.BlockSpec((None, hb, None, g, c), blk),
+                  pl.BlockSpec((None, hb, None, g, 1), blk)]
   kernel = functools.partial(
-      paged_attention_pipelined_kernel, num_kv_heads=kh, pages_per_block=ppb,
-      return_weights=return_weights, scale=h ** -0.5)
+      paged_attention_pipelined_kernel, num_kv_heads=kh, heads_per_block=hb,
+      pages_per_block=ppb, return_weights=return_weights, scale=h ** -0.5)
   # The tables go in flat: SMEM pads the minor dimension of 2-D and 3-D arrays.
-  # Each page of a block is its own operand (the same pool array ppb times).
+  # Each page of a block is its own operand (the same pool array hb * ppb times).
   outs = pl.pallas_call(
       kernel,
       out_shape=out_shape,
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=2,
-          grid=(b, kh, nb),
-          in_specs=[pl.BlockSpec((None, None, g, h), head)] + page_specs + page_specs,
+          grid=(b, kh // hb, nb),
+          in_specs=[pl.BlockSpec((None, hb, g, h), heads)] + page_specs + page_specs,
           out_specs=out_specs,
-          scratch_shapes=[pltpu.VMEM((g, 1), jnp.float32), pltpu.VMEM((g, 1), jnp.float32),
-                          pltpu.VMEM((g, h), jnp.float32)]),
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "arbitrary")),
+          scratch_shapes=[pltpu.VMEM((hb, g, 1), jnp.float32),
+                          pltpu.VMEM((hb, g, 1), jnp.float32),
+                          pltpu.VMEM((hb, g, h), jnp.float32)]),
+      compiler_params=platform.compiler_params(platform.TPU, 3, sequential_last=True),
       interpret=interpret,
-  )(table.reshape(-1), lengths.reshape(-1), q, *([k_pages] * ppb), *([v_pages] * ppb))
+  )(table.reshape(-1), lengths.reshape(-1), q, *([k_pages] * (hb * ppb)),
+    *([v_pages] * (hb * ppb)))
   outs = list(outs)
   outs[1] = outs[1][..., 0]
   if return_weights:
@@ -373,38 +386,43 @@ def _check_triton_shapes(pages_per_block: int, page_size: int, head_dim: int) ->
         f"({pages_per_block} * {page_size}) and head_dim ({head_dim}) >= {_MIN_DOT_ROWS}")
 
 
-def _call_looped(q, k_pages, v_pages, table, lengths, *, ppb, return_weights, interpret):
+def _call_looped(q, k_pages, v_pages, table, lengths, *, ppb, return_weights, interpret,
+                 hb=1):
   """Runs the looped kernel; same arguments and results as ``_call_pipelined``."""
   b, kh, g, h = q.shape
   p_pad = table.shape[2]
   nb, c = p_pad // ppb, ppb * k_pages.shape[1]
   if not interpret:
     _check_triton_shapes(ppb, k_pages.shape[1], h)
+    if hb & (hb - 1):
+      raise ValueError(f"the GPU (Triton) kernel needs kv_heads_per_block to be a power of "
+                       f"two, got {hb}")
   g_pad = max(_MIN_DOT_ROWS, pl.next_power_of_2(g))
   q = jnp.pad(q, ((0, 0), (0, 0), (0, g_pad - g), (0, 0)))
-  pool = pl.BlockSpec(k_pages.shape, lambda bi, ki: (0, 0, 0))
+  pool = pl.BlockSpec(k_pages.shape, lambda bi, kb: (0, 0, 0))
   out_shape = [jax.ShapeDtypeStruct((b, kh, g_pad, h), q.dtype),
                jax.ShapeDtypeStruct((b, kh, g_pad), jnp.float32)]
-  out_specs = [pl.BlockSpec((None, None, g_pad, h), lambda bi, ki: (bi, ki, 0, 0)),
-               pl.BlockSpec((None, None, g_pad), lambda bi, ki: (bi, ki, 0))]
+  out_specs = [pl.BlockSpec((None, hb, g_pad, h), lambda bi, kb: (bi, kb, 0, 0)),
+               pl.BlockSpec((None, hb, g_pad), lambda bi, kb: (bi, kb, 0))]
   if return_weights:
     out_shape += [jax.ShapeDtypeStruct((b, kh, nb, g_pad, c), jnp.float32),
                   jax.ShapeDtypeStruct((b, kh, nb, g_pad), jnp.float32)]
-    out_specs += [pl.BlockSpec((None, None, nb, g_pad, c), lambda bi, ki: (bi, ki, 0, 0, 0)),
-                  pl.BlockSpec((None, None, nb, g_pad), lambda bi, ki: (bi, ki, 0, 0))]
+    out_specs += [pl.BlockSpec((None, hb, nb, g_pad, c), lambda bi, kb: (bi, kb, 0, 0, 0)),
+                  pl.BlockSpec((None, hb, nb, g_pad), lambda bi, kb: (bi, kb, 0, 0))]
   kernel = functools.partial(paged_attention_looped_kernel, pages_per_block=ppb, scale=h ** -0.5)
   outs = pl.pallas_call(
       kernel,
       out_shape=out_shape,
-      grid=(b, kh),
-      in_specs=[pl.BlockSpec((None, None, p_pad), lambda bi, ki: (bi, ki, 0)),
-                pl.BlockSpec((1,), lambda bi, ki: (bi * kh + ki,)),
-                pl.BlockSpec((None, None, g_pad, h), lambda bi, ki: (bi, ki, 0, 0)),
+      grid=(b, kh // hb),
+      in_specs=[pl.BlockSpec((None, hb, p_pad), lambda bi, kb: (bi, kb, 0)),
+                pl.BlockSpec((hb,), lambda bi, kb: (bi * (kh // hb) + kb,)),
+                pl.BlockSpec((None, hb, g_pad, h), lambda bi, kb: (bi, kb, 0, 0)),
                 pool, pool],
       out_specs=out_specs,
-      # Explicitly Triton: this jax lowers GPU kernels to Mosaic GPU by default,
-      # which would stage the whole pool block in shared memory.
-      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+      # Explicitly Triton (see ``platform``): this jax lowers GPU kernels to
+      # Mosaic GPU by default, which would stage the whole pool block in
+      # shared memory.
+      compiler_params=platform.compiler_params(platform.GPU, 2),
       interpret=interpret,
   )(table, lengths.reshape(-1), q, k_pages, v_pages)
   # Drop the padding query heads (axis 2 of out and lse, axis 3 of the weight blocks).
@@ -442,6 +460,9 @@ def _validate(q, k_pages, v_pages, page_table, lengths, block_sizes) -> None:
     raise ValueError(f"lengths must be int32, got {lengths.dtype}")
   if block_sizes is not None and not isinstance(block_sizes, PagedAttentionBlockSizes):
     raise ValueError(f"block_sizes must be a PagedAttentionBlockSizes or None, got {block_sizes!r}")
+  if block_sizes is not None and kh % block_sizes.kv_heads_per_block:
+    raise ValueError(f"kv_heads_per_block {block_sizes.kv_heads_per_block} must divide the "
+                     f"KV heads K={kh}")
 
 
 def _weights_from_blocks(w, w_max, lse, lengths, num_slots):
@@ -483,7 +504,8 @@ def paged_attention(
     k_pages, v_pages: [P, S_page, H] float32 or bfloat16 (the same).
     page_table: [B, K, P_max] int32, -1 = absent page.
     lengths: [B, K] int32 filled slots per head (at most P_max * S_page).
-    block_sizes: pages per compute block (default: about 128 slots).
+    block_sizes: pages per compute block (default: about 128 slots) and KV
+      heads per grid program (default 1).
     return_weights: also return the weights and the log-sum-exp.
     interpret: run the kernel body in Pallas' interpreter (CPU); a
       ``pltpu.InterpretParams`` selects TPU interpret mode.
@@ -509,7 +531,8 @@ def paged_attention(
   table = jnp.pad(page_table, ((0, 0), (0, 0), (0, p_pad - p_max)), constant_values=-1)
   call = _call_pipelined if _page_fetch(interpret) == "pipelined" else _call_looped
   outs = call(q.reshape(b, kh, n // kh, h), k_pages, v_pages, table, lengths, ppb=ppb,
-              return_weights=return_weights, interpret=interpret)
+              hb=block_sizes.kv_heads_per_block, return_weights=return_weights,
+              interpret=interpret)
   out = outs[0].reshape(b, n, h)
   if not return_weights:
     return out

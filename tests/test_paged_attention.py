@@ -71,6 +71,30 @@ class PagedAttentionReferenceTest(parameterized.TestCase):
     np.testing.assert_allclose(out[0, 0], [1.0, 6.0], rtol=1e-6)
     np.testing.assert_allclose(lse[0, 0], np.log(4.0), rtol=1e-6)
 
+  def test_query_heads_read_their_kv_head(self):
+    # K = 2, G = 2: query heads 0, 1 read KV head 0 (one slot, value [1, 0]) and query
+    # heads 2, 3 read KV head 1 (one slot, value [0, 1]), whatever their queries.
+    k_pages = jnp.ones((2, 4, 2))
+    v_pages = jnp.zeros((2, 4, 2)).at[0, 0].set(jnp.array([1.0, 0.0])).at[1, 0].set(
+        jnp.array([0.0, 1.0]))
+    q = jnp.arange(8.0).reshape(1, 4, 2)
+    out = paged_attention_reference(q, k_pages, v_pages, jnp.array([[[0], [1]]]),
+                                    jnp.array([[1, 1]]))
+    np.testing.assert_allclose(out[0], [[1, 0], [1, 0], [0, 1], [0, 1]])
+
+  def test_partial_last_page_by_hand(self):
+    # Page size 2, three slots over pages 1 and 0 (the last page half full, its second
+    # slot holding a huge key that must not count): equal logits, so the mean of the
+    # three values.
+    k_pages = jnp.zeros((2, 2, 1)).at[0, 1].set(1e4)
+    v_pages = jnp.array([[[3.0], [1e6]], [[0.0], [6.0]]])
+    out, weights, lse = paged_attention_reference(
+        jnp.ones((1, 1, 1)), k_pages, v_pages, jnp.array([[[1, 0]]]), jnp.array([[3]]),
+        return_weights=True)
+    np.testing.assert_allclose(out[0, 0], [3.0], rtol=1e-6)
+    np.testing.assert_allclose(weights[0, 0], [1 / 3, 1 / 3, 1 / 3, 0.0], rtol=1e-6)
+    np.testing.assert_allclose(lse[0, 0], np.log(3.0), rtol=1e-6)
+
   def test_empty_head_outputs_zeros(self):
     out = paged_attention_reference(
         jnp.ones((1, 2, 4)), jnp.ones((1, 8, 4)), jnp.ones((1, 8, 4)),

@@ -138,6 +138,54 @@ class PagedAttentionKernelTest(parameterized.TestCase):
     want = paged_attention_reference(*args, return_weights=True)
     _assert_matches_reference(got, want, lengths, dtype, group)
 
+  # Several KV heads per grid program (kv_heads_per_block), in both forms.
+  @parameterized.parameters(
+      (jnp.float32, 8, 3, 64, 2, 2, False),
+      (jnp.bfloat16, 16, 1, 128, 1, 4, False),
+      (jnp.float32, 16, 4, 64, 2, 2, True),
+      (jnp.bfloat16, 8, 3, 128, 1, 4, True),
+  )
+  def test_heads_per_block(self, dtype, page_size, group, head_dim, ppb, hb, tpu_form):
+    b, kh, p_max = 2, 4, 3
+    lengths = _lengths(b, kh, page_size, p_max)
+    args = _paged_inputs(hb * 10 + group, b=b, kh=kh, g=group, h=head_dim, page_size=page_size,
+                         p_max=p_max, lengths=lengths, dtype=dtype)
+    block_sizes = PagedAttentionBlockSizes(ppb, kv_heads_per_block=hb)
+    if tpu_form:
+      with pltpu.force_tpu_interpret_mode():
+        got = paged_attention(*args, block_sizes=block_sizes, return_weights=True,
+                              interpret=True)
+    else:
+      got = paged_attention(*args, block_sizes=block_sizes, return_weights=True, interpret=True)
+    want = paged_attention_reference(*args, return_weights=True)
+    _assert_matches_reference(got, want, lengths, dtype, group)
+
+  # The TPU form with the other head dim and group sizes (and default block sizes).
+  @parameterized.parameters((jnp.float32, 8, 1, 64), (jnp.bfloat16, 16, 3, 64))
+  def test_tpu_form_more_shapes(self, dtype, page_size, group, head_dim):
+    b, kh, p_max = 2, 2, 3
+    lengths = _lengths(b, kh, page_size, p_max)
+    args = _paged_inputs(11, b=b, kh=kh, g=group, h=head_dim, page_size=page_size,
+                         p_max=p_max, lengths=lengths, dtype=dtype)
+    with pltpu.force_tpu_interpret_mode():
+      got = paged_attention(*args, return_weights=True, interpret=True)
+    _assert_matches_reference(got, paged_attention_reference(*args, return_weights=True),
+                              lengths, dtype, group)
+
+  @parameterized.parameters(("tpu", "pipelined", "tpu_custom_call"),
+                            ("cuda", "looped", "triton"))
+  def test_lowers_with_heads_per_block(self, platform, form, marker):
+    b, kh, g, h, page_size, p_max = 2, 4, 4, 128, 16, 8
+    call = {"pipelined": _call_pipelined, "looped": _call_looped}[form]
+    fn = functools.partial(call, ppb=2, hb=2, return_weights=True, interpret=False)
+    shapes = (jax.ShapeDtypeStruct((b, kh, g, h), jnp.bfloat16),
+              jax.ShapeDtypeStruct((80, page_size, h), jnp.bfloat16),
+              jax.ShapeDtypeStruct((80, page_size, h), jnp.bfloat16),
+              jax.ShapeDtypeStruct((b, kh, p_max), jnp.int32),
+              jax.ShapeDtypeStruct((b, kh), jnp.int32))
+    text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=(platform,)).as_text()
+    self.assertIn(marker, text)
+
   @parameterized.parameters(("tpu", "pipelined", "tpu_custom_call"),
                             ("cuda", "looped", "triton"))
   def test_lowers_for_platform(self, platform, form, marker):
@@ -214,6 +262,16 @@ class PagedAttentionValidationTest(parameterized.TestCase):
   def test_bad_pages_per_block(self, value):
     with self.assertRaisesRegex(ValueError, "pages_per_block must be a positive int, got"):
       PagedAttentionBlockSizes(value)
+
+  @parameterized.parameters(0, -1, 1.5, False)
+  def test_bad_kv_heads_per_block(self, value):
+    with self.assertRaisesRegex(ValueError, "kv_heads_per_block must be a positive int, got"):
+      PagedAttentionBlockSizes(1, kv_heads_per_block=value)
+
+  def test_kv_heads_per_block_must_divide_k(self):
+    with self.assertRaisesRegex(ValueError, "kv_heads_per_block 2 must divide the KV heads K=3"):
+      paged_attention(**_good_inputs(), block_sizes=PagedAttentionBlockSizes(1, 2),
+                      interpret=True)
 
 
 class PallasBackendTest(absltest.TestCase):
