@@ -23,6 +23,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from kvjax import backend as backend_lib
 from kvjax.cache.paged import EMPTY
 from kvjax.policies import blocks
 from kvjax.policies.base import Policy
@@ -75,7 +76,7 @@ class PagedEviction(Policy):
   def score(self, prompt, q, k, v):
     """[B, K, T] norm score per token; -inf on padding."""
     del q
-    norm = lambda x: jnp.swapaxes(jnp.linalg.norm(x.astype(jnp.float32), axis=-1), 1, 2)
+    norm = backend_lib.get("token_norms")  # the engine's norm op ([B, T, K, H] -> [B, K, T])
     scores = self._reduce_heads(blocks.norm_scores(norm(k), norm(v), self.variant), axis=1)
     valid = jnp.arange(k.shape[1])[None, None] < prompt.lengths[:, None, None]
     return jnp.where(valid, scores, -jnp.inf)
@@ -99,11 +100,12 @@ class PagedEviction(Policy):
     Computed from the pooled keys and values (norms only), so nothing needs
     storing at append time and the attention kernel is not involved.
     """
-    pool = blocks.norm_scores(jnp.linalg.norm(cache.k_pages.astype(jnp.float32), axis=-1),
-                              jnp.linalg.norm(cache.v_pages.astype(jnp.float32), axis=-1),
-                              self.variant)  # [P, S_page]
     table = cache.page_table
     ps = cache.page_size
+    norm = backend_lib.get("token_norms")
+    # The pool seen as one sequence of P * S_page tokens and one head.
+    flat = lambda pages: norm(pages.reshape(1, -1, 1, pages.shape[-1])).reshape(-1, ps)
+    pool = blocks.norm_scores(flat(cache.k_pages), flat(cache.v_pages), self.variant)  # [P, S_page]
     per_slot = pool[jnp.maximum(table, 0)]  # [B, L, K, P_max, S_page]
     slot = jnp.arange(table.shape[-1])[:, None] * ps + jnp.arange(ps)[None]
     filled = slot < cache.lengths[..., None, None]
