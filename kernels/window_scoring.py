@@ -45,8 +45,10 @@ from kvjax.kernels import platform
 
 # Dtypes the kernel takes for queries, keys and values.
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-# Keys one compute block spans at most (a multiple of 128: TPU lanes).
-_MAX_BLOCK_KEYS = 512
+# Keys one compute block spans at most: a multiple of 128 (TPU lanes) on TPU;
+# on GPU an [R, C] float32 tile lives in registers, so C stays small (R = G * W
+# rows can reach a few hundred). The GPU figure is untuned (no GPU was at hand).
+_MAX_BLOCK_KEYS = {platform.TPU: 512, platform.GPU: 64}
 
 GROUP_REDUCTIONS = ("mean", "max")
 
@@ -172,10 +174,11 @@ class WindowScoringBlockSizes:
       raise ValueError(f"block_keys must be a positive multiple of 8, got {c!r}")
 
   @classmethod
-  def get_default(cls, num_tokens: int) -> "WindowScoringBlockSizes":
-    """The prompt in one block up to _MAX_BLOCK_KEYS keys (a power of two >= 16), else blocks
-    of _MAX_BLOCK_KEYS: full or a multiple of 128 for TPU, a power of two for GPU."""
-    return cls(min(_MAX_BLOCK_KEYS, max(platform.MIN_DOT, pl.next_power_of_2(num_tokens))))
+  def get_default(cls, num_tokens: int, form: str = platform.TPU) -> "WindowScoringBlockSizes":
+    """The prompt in one block (a power of two >= 16) up to the form's cap, else blocks of
+    the cap: on TPU full or a multiple of 128, on GPU a power of two."""
+    cap = _MAX_BLOCK_KEYS[form]
+    return cls(min(cap, max(platform.MIN_DOT, pl.next_power_of_2(num_tokens))))
 
 
 # ------------------------------------------------------------------ kernels
@@ -391,7 +394,7 @@ def window_scores(q, k, lengths, *, window: int, pool: int = 1, group: str = "me
   g = n // kh
   form = platform.lowering(interpret)
   if block_sizes is None:
-    block_sizes = WindowScoringBlockSizes.get_default(t)
+    block_sizes = WindowScoringBlockSizes.get_default(t, form)
   c = block_sizes.block_keys
   t_pad = pl.cdiv(t, c) * c
   r = platform.pad_rows(g * window, form)
@@ -448,7 +451,7 @@ def token_norms(x, *, block_sizes: WindowScoringBlockSizes | None = None, interp
   b, t, kh, h = x.shape
   form = platform.lowering(interpret)
   if block_sizes is None:
-    block_sizes = WindowScoringBlockSizes.get_default(t)
+    block_sizes = WindowScoringBlockSizes.get_default(t, form)
   c = block_sizes.block_keys
   t_pad = pl.cdiv(t, c) * c
   _check_blocks(form, c, t_pad, h, platform.MIN_DOT, interpret)

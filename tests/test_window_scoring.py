@@ -207,6 +207,7 @@ class ValidationTest(parameterized.TestCase):
     self.assertEqual(WindowScoringBlockSizes.get_default(40).block_keys, 64)
     self.assertEqual(WindowScoringBlockSizes.get_default(5).block_keys, 16)
     self.assertEqual(WindowScoringBlockSizes.get_default(5000).block_keys, 512)
+    self.assertEqual(WindowScoringBlockSizes.get_default(5000, platform.GPU).block_keys, 64)
 
 
 class BackendTest(absltest.TestCase):
