@@ -1,6 +1,8 @@
-"""Long-context task generators (prompts with known answers)."""
+"""Long-context task generators (prompts with known answers) and local datasets."""
 
-from kvjax.tasks.passkey import Sample
+from kvjax.tasks.niah import TASKS
+from kvjax.tasks.niah import make_sample
 from kvjax.tasks.passkey import passkey_prompt
+from kvjax.tasks.sample import Sample
 
-__all__ = ["Sample", "passkey_prompt"]
+__all__ = ["Sample", "TASKS", "make_sample", "passkey_prompt"]

@@ -1,0 +1,192 @@
+"""summary.md and PNG plots from results.jsonl rows.
+
+Tables: one per (task, haystack, mode, prefill chunk, length), a row per
+policy, a column per budget; cells are accuracy (mean score where the metric
+is not exact) over the samples. Full cache heads each table.
+Plots: the NIAH depth × length heatmap of each policy at each budget, and
+accuracy against budget per policy with the full cache as a line.
+"""
+
+from __future__ import annotations
+
+import collections
+import pathlib
+from typing import Iterable
+
+import numpy as np
+
+
+def _group(row: dict) -> tuple:
+  return (row["task"], row.get("haystack") or "-", bool(row["query_aware"]),
+          int(row.get("prefill_chunk") or 0))
+
+
+def _group_title(group: tuple) -> str:
+  task, haystack, aware, chunk = group
+  parts = [task]
+  if haystack != "-":
+    parts.append(f"{haystack} haystack")
+  parts.append("query-aware" if aware else "query-agnostic")
+  parts.append(f"prefill chunk {chunk}" if chunk else "one-shot prefill")
+  return ", ".join(parts)
+
+
+def _slug(group: tuple) -> str:
+  task, haystack, aware, chunk = group
+  slug = f"{task}_{haystack}_{'aware' if aware else 'agnostic'}"
+  return slug + (f"_chunk{chunk}" if chunk else "")
+
+
+def _value(rows: list[dict]) -> float:
+  """Accuracy for exact metrics, mean score otherwise."""
+  if all(r.get("metric", "contains") == "contains" for r in rows):
+    return float(np.mean([bool(r["correct"]) for r in rows]))
+  return float(np.mean([r["score"] for r in rows]))
+
+
+def _label(policy: str, fields: dict) -> str:
+  return policy + (f" ({', '.join(f'{k}={v}' for k, v in sorted(fields.items()))})"
+                   if fields else "")
+
+
+def summary_markdown(rows: Iterable[dict]) -> str:
+  """The accuracy tables of a run, in markdown."""
+  rows = list(rows)
+  if not rows:
+    return "No results.\n"
+  model = rows[0]["model"]
+  lines = [f"# Accuracy ({model})", "",
+           "Cells: accuracy (mean score for non-exact metrics) over the samples, n in brackets. "
+           "Policy fields (observation window) in brackets after the name.", ""]
+  by_group = collections.defaultdict(list)
+  for r in rows:
+    by_group[_group(r)].append(r)
+  for group in sorted(by_group):
+    group_rows = by_group[group]
+    budgets = sorted({r["budget"] for r in group_rows if r["budget"] is not None})
+    for length in sorted({r["length"] for r in group_rows}):
+      at = [r for r in group_rows if r["length"] == length]
+      lines += [f"## {_group_title(group)}, {length} tokens", ""]
+      lines.append("| policy | " + " | ".join(f"{b}" for b in budgets) + " |" if budgets
+                   else "| policy | full |")
+      lines.append("|---|" + "---|" * max(1, len(budgets)))
+      cells = collections.defaultdict(list)
+      for r in at:
+        cells[(r["policy"], _label(r["policy"], r.get("policy_fields") or {}),
+               r["budget"])].append(r)
+      labels = sorted({(p, l) for p, l, _ in cells}, key=lambda x: (x[0] != "full", x[1]))
+      for policy, label in labels:
+        if policy == "full":
+          full = cells[(policy, label, None)]
+          text = f"{100 * _value(full):.0f}% ({len(full)})"
+          lines.append(f"| **full** | " + " | ".join([text] * max(1, len(budgets))) + " |")
+          continue
+        out = []
+        for b in budgets:
+          c = cells.get((policy, label, b))
+          out.append(f"{100 * _value(c):.0f}% ({len(c)})" if c else "–")
+        lines.append(f"| {label} | " + " | ".join(out) + " |")
+      lines.append("")
+  return "\n".join(lines)
+
+
+def _plt():
+  import matplotlib
+  matplotlib.use("Agg")  # files only; no display on servers
+  import matplotlib.pyplot as plt
+  return plt
+
+
+def plot_heatmaps(rows: list[dict], out: pathlib.Path) -> list[pathlib.Path]:
+  """Depth × length accuracy per policy, one PNG per (group, budget); full in each."""
+  plt = _plt()
+  paths = []
+  by_group = collections.defaultdict(list)
+  for r in rows:
+    if r.get("depth") is not None:
+      by_group[_group(r)].append(r)
+  for group, group_rows in sorted(by_group.items()):
+    depths = sorted({r["depth"] for r in group_rows})
+    lengths = sorted({r["length"] for r in group_rows})
+    budgets = sorted({r["budget"] for r in group_rows if r["budget"] is not None}) or [None]
+    policies = sorted({r["policy"] for r in group_rows}, key=lambda p: (p != "full", p))
+    for budget in budgets:
+      fig, axes = plt.subplots(1, len(policies), squeeze=False,
+                               figsize=(1.2 + 0.55 * len(lengths) * len(policies) + len(policies),
+                                        1.2 + 0.35 * len(depths) + 0.6))
+      for ax, policy in zip(axes[0], policies):
+        grid = np.full((len(depths), len(lengths)), np.nan)
+        for i, d in enumerate(depths):
+          for j, n in enumerate(lengths):
+            cell = [r for r in group_rows if r["policy"] == policy and r["depth"] == d
+                    and r["length"] == n and (policy == "full" or r["budget"] == budget)]
+            if cell:
+              grid[i, j] = _value(cell)
+        ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        for i in range(len(depths)):
+          for j in range(len(lengths)):
+            if not np.isnan(grid[i, j]):
+              ax.text(j, i, f"{100 * grid[i, j]:.0f}", ha="center", va="center", fontsize=7)
+        ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" if n % 1024 == 0 else str(n)
+                                            for n in lengths], fontsize=7)
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
+        ax.set_title(policy if policy == "full" else f"{policy}", fontsize=8)
+        ax.set_xlabel("prompt tokens", fontsize=7)
+      axes[0][0].set_ylabel("needle depth", fontsize=7)
+      fig.suptitle(f"{_group_title(group)}, budget {budget}", fontsize=9)
+      fig.tight_layout()
+      path = out / f"heatmap_{_slug(group)}_b{budget}.png"
+      fig.savefig(path, dpi=110)
+      plt.close(fig)
+      paths.append(path)
+  return paths
+
+
+def plot_accuracy_vs_budget(rows: list[dict], out: pathlib.Path) -> list[pathlib.Path]:
+  """Accuracy against budget per policy, one panel per length, one PNG per group."""
+  plt = _plt()
+  paths = []
+  by_group = collections.defaultdict(list)
+  for r in rows:
+    by_group[_group(r)].append(r)
+  for group, group_rows in sorted(by_group.items()):
+    budgets = sorted({r["budget"] for r in group_rows if r["budget"] is not None})
+    if not budgets:
+      continue
+    lengths = sorted({r["length"] for r in group_rows})
+    fig, axes = plt.subplots(1, len(lengths), squeeze=False, sharey=True,
+                             figsize=(4.2 * len(lengths), 3.4))
+    for ax, length in zip(axes[0], lengths):
+      at = [r for r in group_rows if r["length"] == length]
+      for policy in sorted({r["policy"] for r in at}):
+        mine = [r for r in at if r["policy"] == policy]
+        if policy == "full":
+          ax.axhline(100 * _value(mine), color="black", linestyle="--", label="full")
+          continue
+        xs = [b for b in budgets if any(r["budget"] == b for r in mine)]
+        ys = [100 * _value([r for r in mine if r["budget"] == b]) for b in xs]
+        ax.plot(xs, ys, marker="o", label=policy)
+      ax.set_xscale("log", base=2)
+      ax.set_xticks(budgets, [str(b) for b in budgets])
+      ax.set_ylim(-5, 105)
+      ax.set_xlabel("budget (KV entries per layer and KV head)")
+      ax.set_title(f"{length} tokens", fontsize=9)
+    axes[0][0].set_ylabel("accuracy (%)")
+    axes[0][-1].legend(fontsize=7, loc="best")
+    fig.suptitle(_group_title(group), fontsize=10)
+    fig.tight_layout()
+    path = out / f"accuracy_vs_budget_{_slug(group)}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    paths.append(path)
+  return paths
+
+
+def write_report(rows: list[dict], out: str | pathlib.Path) -> str:
+  """Writes summary.md and the plots under ``out``; returns the summary text."""
+  out = pathlib.Path(out)
+  text = summary_markdown(rows)
+  (out / "summary.md").write_text(text)
+  plot_heatmaps(rows, out)
+  plot_accuracy_vs_budget(rows, out)
+  return text
