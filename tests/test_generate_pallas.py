@@ -2,7 +2,8 @@
 greedy tokens of backend "xla", for a 512-token prompt.
 
 SnapKV exercises the window-scoring kernel at prefill (it picks which prompt
-entries each head keeps) and paged decode attention at every decode step.
+entries each head keeps) and paged decode attention at every decode step;
+KNorm the key-norm kernel.
 """
 
 from unittest import mock
@@ -27,13 +28,16 @@ def _prompt(lm, num_tokens):
   return ids[:num_tokens]
 
 
-@pytest.mark.parametrize("policy, budget", [("snapkv", 128)])
-def test_pallas_matches_xla_greedy_tokens(smollm2_lm, policy, budget):
+@pytest.mark.parametrize("policy, budget, scoring_kernel", [
+    ("snapkv", 128, "window_scores"),
+    ("knorm", 128, "token_norms"),
+])
+def test_pallas_matches_xla_greedy_tokens(smollm2_lm, policy, budget, scoring_kernel):
   prompt = _prompt(smollm2_lm, 512)
   kwargs = dict(policy=policy, budget=budget, max_new_tokens=8, stop_ids=[])
   xla = kvjax.generate(smollm2_lm, [prompt], backend="xla", **kwargs)
-  with mock.patch.object(backend_lib, "window_scores",
-                         wraps=backend_lib.window_scores) as scores, \
+  with mock.patch.object(backend_lib, scoring_kernel,
+                         wraps=getattr(backend_lib, scoring_kernel)) as scores, \
        mock.patch.object(backend_lib, "paged_attention",
                          wraps=backend_lib.paged_attention) as attention:
     pallas = kvjax.generate(smollm2_lm, [prompt], backend="pallas", **kwargs)
@@ -42,6 +46,13 @@ def test_pallas_matches_xla_greedy_tokens(smollm2_lm, policy, budget):
   assert attention.call_count >= 1
   assert pallas.stats.backend == "pallas"
   assert pallas.token_ids == xla.token_ids
-  # The same entries were kept: the selection did not move either.
-  np.testing.assert_array_equal(np.asarray(pallas.cache.kept_positions()),
-                                np.asarray(xla.cache.kept_positions()))
+  kept_pallas = np.asarray(pallas.cache.kept_positions())
+  kept_xla = np.asarray(xla.cache.kept_positions())
+  if policy == "snapkv":
+    # The same entries were kept: the selection did not move either.
+    np.testing.assert_array_equal(kept_pallas, kept_xla)
+  else:
+    # Key norms are RoPE-invariant, so repeated tokens tie exactly in early layers,
+    # and a last-bit difference in summation order picks among equals: nearly the
+    # same entries.
+    assert (kept_pallas == kept_xla).mean() > 0.95
