@@ -77,6 +77,7 @@ def generate(
     backend: str = "auto",
     pad_multiple: int = 64,
     attention_block: int = 256,
+    prefill_chunk: int = 0,
 ) -> GenerationResult:
   """Generates continuations of a batch of prompts under a KV-cache policy.
 
@@ -103,6 +104,12 @@ def generate(
     pad_multiple: prompts are right-padded to a multiple of this many tokens.
     attention_block: block size of the prefill's causal attention (its logits
       are [B, N, block, block] at a time).
+    prefill_chunk: 0 for a one-shot prefill; else the prompt is prefilled in
+      chunks of this many tokens, each attending to the compressed cache and
+      to itself, after which the cache is compressed back to the budget: the
+      cache never holds more than budget + chunk entries per head. For
+      policies that score from an observation window or from keys and values
+      (``Policy.chunked_prefill``); the chunk must hold the window.
 
   Returns:
     GenerationResult with texts, token ids, stats and the final cache.
@@ -118,9 +125,12 @@ def generate(
   backend = backend_lib.resolve(backend)
   cfg = lm.config
   for name, value in (("max_new_tokens", max_new_tokens), ("page_size", page_size),
-                      ("pad_multiple", pad_multiple), ("attention_block", attention_block)):
+                      ("pad_multiple", pad_multiple), ("attention_block", attention_block),
+                      ("prefill_chunk", prefill_chunk + 1)):
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
       raise ValueError(f"{name} must be a positive int, got {value!r}")
+  if prefill_chunk:
+    policy.check_chunk(prefill_chunk)
   if budget is not None and budget > cfg.max_position_embeddings:
     # No sequence can ever hold more entries than the model's context: such a
     # budget is a typo (or a token count mistaken for something else).
@@ -145,15 +155,18 @@ def generate(
     raise ValueError(
         f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} exceeds the "
         f"model's context of {cfg.max_position_embeddings}")
-  tokens = _pad(ids, pad_multiple)
+  tokens = _pad(ids, prefill_chunk or pad_multiple)
   t_pad = tokens.shape[1]
   q_tokens = _pad(question_ids, pad_multiple) if question_ids else None
   q_pad = 0 if q_tokens is None else q_tokens.shape[1]
 
   budgets = policy.layer_budgets(budget, t_pad, cfg.num_layers)
   capacity = policy.capacity(
-      budget=budget, prompt_len=t_pad, extra_tokens=q_pad, max_new_tokens=max_new_tokens,
-      page_size=page_size, num_layers=cfg.num_layers)
+      budget=budget, prompt_len=t_pad, extra_tokens=q_pad + prefill_chunk,
+      max_new_tokens=max_new_tokens, page_size=page_size, num_layers=cfg.num_layers)
+  if prefill_chunk:  # never more than the whole prompt (the full policy keeps it all)
+    capacity = tuple(min(c, round_up(t_pad + q_pad + max_new_tokens, page_size))
+                     for c in capacity)
   cache = PagedKVCache.create(
       batch_size=len(ids), capacity=capacity, num_layers=cfg.num_layers,
       num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=page_size,
@@ -179,9 +192,22 @@ def generate(
     timed[name] = timed.get(name, 0.0) + time.perf_counter() - start
     return out
 
-  cache, logits = run(
-      "prefill", _prefill, (lm.params, cache, jnp.asarray(tokens), jnp.asarray(lengths)),
-      policy=policy, block=attention_block, budget=budget, budgets=budgets, backend=backend)
+  if prefill_chunk:
+    logits = None
+    for start in range(0, t_pad, prefill_chunk):
+      chunk_lengths = np.clip(lengths - start, 0, prefill_chunk).astype(np.int32)
+      cache, chunk_logits = run(
+          "prefill", _prefill_chunk,
+          (lm.params, cache, jnp.asarray(tokens[:, start:start + prefill_chunk]),
+           jnp.asarray(chunk_lengths), jnp.full(lengths.shape, start, jnp.int32)),
+          policy=policy, budget=budget, budgets=budgets, backend=backend)
+      # Each sequence's next-token logits come from the chunk holding its last token.
+      logits = chunk_logits if logits is None else jnp.where(
+          jnp.asarray(chunk_lengths > 0)[:, None], chunk_logits, logits)
+  else:
+    cache, logits = run(
+        "prefill", _prefill, (lm.params, cache, jnp.asarray(tokens), jnp.asarray(lengths)),
+        policy=policy, block=attention_block, budget=budget, budgets=budgets, backend=backend)
   next_pos = lengths
   if q_tokens is not None:
     cache, logits = run(
@@ -232,6 +258,27 @@ def _prefill_body(params, cache, tokens, lengths, *, graphdef, policy, block, bu
   hidden, cache = model(tokens, positions, cache, attend)
   last = hidden[jnp.arange(tokens.shape[0]), lengths - 1]  # [B, D]
   return cache, model.logits(last)
+
+
+def _prefill_chunk(params, cache, tokens, lengths, offsets, *, graphdef, policy, budget,
+                   budgets, backend):
+  """One prompt chunk: attend to the cache and itself, then compress back to the budget.
+
+  Returns (cache, logits [B, V] at each sequence's last token in the chunk;
+  garbage where the chunk has none).
+  """
+  with backend_lib.use(backend):
+    model = nnx.merge(graphdef, params)
+    positions = offsets[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    select = policy.select(budget, budgets)
+
+    def attend(cache, layer, q, k, v):
+      return attention_lib.chunk_attention(cache, layer, q, k, v, positions, lengths,
+                                           select=select)
+
+    hidden, cache = model(tokens, positions, cache, attend)
+    last = hidden[jnp.arange(tokens.shape[0]), jnp.maximum(lengths - 1, 0)]
+    return cache, model.logits(last)
 
 
 def _extend(params, cache, tokens, lengths, offsets, *, graphdef):
@@ -300,7 +347,7 @@ def _sample(logits, key, temperature, top_k: int):
 # ------------------------------------------------------------------ compilation
 
 _PROGRAMS: dict = {}
-COMPILE_COUNT = {"prefill": 0, "extend": 0, "decode": 0}  # programs compiled so far, per kind
+COMPILE_COUNT = {"prefill": 0, "prefill_chunk": 0, "extend": 0, "decode": 0}  # programs compiled so far, per kind
 
 
 def _compiled(fn, args, statics: dict):

@@ -4,12 +4,14 @@ A Flax attention layer computes q, k, v (RoPE applied) and hands them here:
 
   cache, out = prefill_attention(cache, layer, q, k, v, positions, lengths)
   cache, out = decode_attention(cache, layer, q, k, v, positions)
+  cache, out = chunk_attention(cache, layer, q, k, v, positions, lengths, select=select)
 
 Prefill attends causally inside the prompt (blockwise: no T x T matrix per
 head) and writes the prompt's keys and values into the cache, through an
 optional ``select`` function that says which slot each token goes to (this is
 where eviction policies plug in; the cache itself knows no policy). Decode
-appends one token per sequence and attends over the paged cache.
+appends one token per sequence and attends over the paged cache. A chunked
+prefill calls ``chunk_attention`` per chunk: append, attend, compress back.
 """
 
 from __future__ import annotations
@@ -219,6 +221,67 @@ def extend_attention(
   cache = cache.reserve(cache.lengths)
   cache = cache.write(layer, k, v, slots, positions)
   return cache, out.reshape(b, c, n, h).astype(q.dtype)
+
+
+def chunk_attention(
+    cache: PagedKVCache,
+    layer,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    lengths: jax.Array,
+    *,
+    select: SelectFn = _keep_all_select,
+) -> tuple[PagedKVCache, jax.Array]:
+  """One chunk of a chunked prefill: attend to the cache and the chunk, then compress.
+
+  The chunk is appended as by ``extend_attention`` (every cached entry plus
+  the chunk causally), then each head is compressed back: ``select`` sees the
+  head's entries as a dense prompt of its own (one sequence per (sequence,
+  KV head), its slots in order, their original positions, the chunk's queries
+  on the chunk's slots and zero queries elsewhere) and the entries it keeps
+  are compacted in place; their pages past the new length are freed. So the
+  cache never holds more than what the policy keeps plus one chunk.
+
+  Policies that score from an observation window inside the chunk (the last
+  queries before each head's length) or from the keys and values see what
+  they would see in a one-shot prefill, restricted to the entries still cached.
+
+  Args:
+    q: [B, C, N, H]; k, v: [B, C, K, H]; positions: [B, C] int32.
+    lengths: [B] int32 valid chunk tokens (0: the sequence has ended; its
+      heads are left as they are).
+    select: the policy's prefill keep rule (``Policy.select``).
+
+  Returns:
+    (cache with the chunk appended and each head compressed, out [B, C, N, H]).
+  """
+  _, cached = cache.layer_view(layer)
+  cache, out = extend_attention(cache, layer, q, k, v, positions, lengths)
+  b, c, n, h = q.shape
+  kh = k.shape[2]
+  table, filled = cache.layer_view(layer)
+  s = table.shape[-1] * cache.page_size
+  # Each (sequence, KV head) becomes a sequence of its own: [B * K, S, 1, H].
+  keys = gather_pages(cache.k_pages, table).reshape(b * kh, s, 1, h)
+  values = gather_pages(cache.v_pages, table).reshape(b * kh, s, 1, h)
+  slot_pos = gather_pages(cache.positions, table).reshape(b * kh, s)
+  # The chunk's queries of group k sit on the slots the chunk was appended to.
+  slot = cached[..., None] + jnp.arange(c)  # [B, K, C]
+  slot = jnp.where(jnp.arange(c) < lengths[:, None, None], slot, s)  # padding: dropped
+  qg = jnp.swapaxes(q.reshape(b, c, kh, n // kh, h), 1, 2)  # [B, K, C, G, H]
+  dense_q = jnp.zeros((b, kh, s, n // kh, h), q.dtype)
+  dense_q = dense_q.at[jnp.arange(b)[:, None, None], jnp.arange(kh)[None, :, None], slot].set(
+      qg, mode="drop").reshape(b * kh, s, n // kh, h)
+  head_lengths = filled.reshape(b * kh)
+  slot_pos = jnp.where(jnp.arange(s) < head_lengths[:, None], slot_pos, 0)
+  kept, _ = select(layer, Prompt(None, slot_pos, head_lengths), dense_q, keys, values)
+  keep = jnp.where(kept[:, 0] >= 0, jnp.arange(s), EMPTY).reshape(b, kh, s)
+  # A sequence without new tokens keeps everything (its heads did not change).
+  keep = jnp.where((lengths > 0)[:, None, None], keep,
+                   jnp.where(jnp.arange(s) < filled[..., None], jnp.arange(s), EMPTY))
+  return cache.compact(layer, keep), out
 
 
 def decode_attention(

@@ -326,6 +326,33 @@ class PagedKVCache:
     return out.replace(page_table=table,
                        lengths=self.lengths - jnp.where(drop, lost, 0).astype(jnp.int32))
 
+  def compact(self, layer, keep: jax.Array) -> "PagedKVCache":
+    """Keeps the given slots of each head of one layer and frees the pages left over.
+
+    Args:
+      layer: layer index (may be traced).
+      keep: [B, K, S_keep] int32 slots each head keeps (-1 = none; any order).
+
+    The kept entries move to slots 0 .. n - 1 in their original slot order
+    (the ``compact_slots`` op of the ambient backend: Pallas in place, or the
+    XLA reference) and the pages past them go back on the free stack.
+    """
+    from kvjax import backend as backend_lib  # the cache module itself stays kernel-agnostic
+
+    _check_layer(layer, self.num_layers)
+    b, kh = self.batch_size, self.num_kv_heads
+    check_array("keep", keep, "[B, K, S_keep]", (b, kh, None), "int")
+    table, lengths = self.layer_view(layer)
+    pools, table, lengths, freed = backend_lib.get("compact_slots")(
+        (self.k_pages, self.v_pages, self.positions, self.scores),
+        table.reshape(b * kh, -1), lengths.reshape(b * kh), keep.reshape(b * kh, -1),
+        fills=(None, None, EMPTY, 0.0))
+    k_pages, v_pages, positions, scores = pools
+    out = self.replace(k_pages=k_pages, v_pages=v_pages, positions=positions, scores=scores)
+    out = out.release(freed.reshape(-1))
+    return out.replace(page_table=out.page_table.at[:, layer].set(table.reshape(b, kh, -1)),
+                       lengths=out.lengths.at[:, layer].set(lengths.reshape(b, kh)))
+
   def set_lengths(self, layer, lengths: jax.Array) -> "PagedKVCache":
     """Sets the filled slots [B, K] of one layer, clamped to [0, capacity].
 

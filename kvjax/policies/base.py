@@ -29,6 +29,10 @@ class Policy:
   evicts_during_decode: ClassVar[bool] = False
   # Keeps, per slot, the attention it received (cache.scores), updated each decode step.
   accumulates_attention: ClassVar[bool] = False
+  # Can compress after each chunk of a chunked prefill: its scores come from an
+  # observation window or from keys and values, not from the prompt's text or
+  # from every prompt query.
+  chunked_prefill: ClassVar[bool] = True
   def __post_init__(self):
     """Subclasses check their fields here (``_check_int``), so a bad value fails on creation."""
 
@@ -59,6 +63,16 @@ class Policy:
       raise ValueError(
           f"budget {budget} must exceed the {self.reserved()} entries policy {self.name!r} "
           f"always keeps (sinks + observation window)")
+
+  def check_chunk(self, chunk: int) -> None:
+    """Raises ValueError unless this policy can compress a prefill in chunks of ``chunk``."""
+    if not self.chunked_prefill:
+      raise ValueError(f"policy {self.name!r} cannot compress a chunked prefill (it needs the "
+                       "whole prompt's text or queries); use prefill_chunk=0")
+    window = getattr(self, "window", 0)
+    if chunk < window:
+      raise ValueError(f"prefill_chunk {chunk} must hold policy {self.name!r}'s observation "
+                       f"window of {window} tokens")
 
   def layer_budgets(self, budget: int, prompt_len: int, num_layers: int) -> tuple[int, ...]:
     """Entries each layer keeps after prefill (default: the budget everywhere)."""

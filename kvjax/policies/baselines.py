@@ -130,6 +130,7 @@ class H2O(Policy):
   """Heavy hitters (accumulated attention) + a recent window; evicts one token per decode step."""
 
   name: ClassVar[str] = "h2o"
+  chunked_prefill: ClassVar[bool] = False  # scores with every prompt query
   evicts_during_decode: ClassVar[bool] = True
   accumulates_attention: ClassVar[bool] = True
   recent: int = 32  # most recent tokens always kept (H2O's recent window)
@@ -170,6 +171,7 @@ class ChunkKV(SnapKV):
   """
 
   name: ClassVar[str] = "chunkkv"
+  chunked_prefill: ClassVar[bool] = False  # chunks are spans of positions
   chunk_length: int = 20  # tokens per chunk
 
   def __post_init__(self):
@@ -208,6 +210,7 @@ class SentenceKV(SnapKV):
   """
 
   name: ClassVar[str] = "sentencekv"
+  chunked_prefill: ClassVar[bool] = False  # segments from the prompt text
   delimiter_ids: tuple[int, ...] = ()  # from delimiter_ids(tokenizer) when empty
 
   def __post_init__(self):

@@ -52,6 +52,7 @@ class DynSplitKV(SnapKV):
   """Importance-aware dynamic blocks, mapped to fixed tiles, selected under the budget."""
 
   name: ClassVar[str] = "dynsplit_kv"
+  chunked_prefill: ClassVar[bool] = False  # boundaries from the prompt text
   window: int = 16  # last prompt tokens whose queries score the rest; always kept
   kernel: int = 5  # average pooling of the token scores (SnapKV's)
   delimiter_ids: tuple[int, ...] = ()  # candidate-boundary tokens; from the tokenizer when empty

@@ -53,6 +53,7 @@ class SABlock(SnapKV):
   """Semantic-aware eviction with an adaptive block size per segment."""
 
   name: ClassVar[str] = "sablock"
+  chunked_prefill: ClassVar[bool] = False  # segments from the prompt text
   window: int = 16  # last prompt tokens whose queries score the rest; always kept
   kernel: int = 5  # average pooling of the token scores (SnapKV's)
   delimiter_ids: tuple[int, ...] = ()  # tokens ending a clause; from the tokenizer when empty

@@ -1,0 +1,105 @@
+"""Chunked prefill with incremental compression: attention, what is kept, memory, compiles."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax import generation as generate_lib
+from kvjax import policies
+from kvjax import testing
+from kvjax.cache import attention
+from kvjax.cache.paged import PagedKVCache
+
+
+def _dense_attention(q, k, v):
+  """q [C, N, H] against k, v [S, K, H]; every key visible. -> [C, N, H] float32."""
+  g = q.shape[1] // k.shape[1]
+  k = np.repeat(k, g, axis=1)
+  v = np.repeat(v, g, axis=1)
+  logits = np.einsum("cnh,snh->ncs", q, k) / np.sqrt(q.shape[-1])
+  return np.einsum("ncs,snh->cnh", jax.nn.softmax(logits, -1), v)
+
+
+def test_two_chunks_keep_the_global_top_norms_and_attend_to_what_is_kept():
+  """KNorm's score does not depend on context, so compressing chunk by chunk keeps
+  exactly the budget of lowest-norm keys over the whole prompt, and chunk 2
+  attends to exactly the entries kept after chunk 1 plus itself (causally)."""
+  rng = np.random.default_rng(0)
+  b, c, n, kh, h, budget = 1, 32, 4, 2, 8, 24
+  q = rng.normal(size=(b, 2 * c, n, h)).astype(np.float32)
+  k = (rng.normal(size=(b, 2 * c, kh, h)) * rng.uniform(0.2, 3, size=(b, 2 * c, kh, 1))
+       ).astype(np.float32)
+  v = rng.normal(size=(b, 2 * c, kh, h)).astype(np.float32)
+  cache = PagedKVCache.create(batch_size=b, capacity=budget + c, num_layers=1, num_kv_heads=kh,
+                              head_dim=h, page_size=8)
+  select = policies.get("knorm").select(budget, (budget,))
+  positions = np.arange(2 * c, dtype=np.int32)[None]
+  outs = []
+  for i in range(2):
+    sl = slice(i * c, (i + 1) * c)
+    cache, out = attention.chunk_attention(
+        cache, 0, jnp.asarray(q[:, sl]), jnp.asarray(k[:, sl]), jnp.asarray(v[:, sl]),
+        jnp.asarray(positions[:, sl]), jnp.asarray([c], jnp.int32), select=select)
+    testing.assert_cache_consistent(cache)
+    if i == 0:
+      kept_after_first = np.asarray(cache.kept_positions())[0, 0]  # [K, S]
+    outs.append(np.asarray(out))
+  kept = np.asarray(cache.kept_positions())[0, 0]
+  norms = np.linalg.norm(k[0], axis=-1)  # [T, K]
+  for head in range(kh):
+    expected = np.sort(np.argsort(norms[:, head], kind="stable")[:budget])
+    np.testing.assert_array_equal(kept[head][:budget], expected)  # in position order
+    assert (kept[head][budget:] == -1).all()
+    # Chunk 2, query t: the entries kept after chunk 1 + chunk-2 tokens up to t.
+    old = kept_after_first[head][kept_after_first[head] >= 0]
+    g = n // kh
+    for t in (0, c - 1):
+      visible = np.concatenate([old, np.arange(c, c + t + 1)])
+      ref = _dense_attention(q[0, c + t:c + t + 1, head * g:(head + 1) * g],
+                             k[0, visible][:, head:head + 1], v[0, visible][:, head:head + 1])
+      np.testing.assert_allclose(outs[1][0, t, head * g:(head + 1) * g], ref[0], atol=1e-5)
+
+
+def test_full_policy_chunked_equals_one_shot(smollm2_lm):
+  prompt = kvjax.tasks.make_sample(smollm2_lm.tokenizer, "niah", length=600, seed=2).prompt
+  one = kvjax.generate(smollm2_lm, [prompt], max_new_tokens=10)
+  chunked = kvjax.generate(smollm2_lm, [prompt], max_new_tokens=10, prefill_chunk=128)
+  assert chunked.token_ids == one.token_ids
+  np.testing.assert_array_equal(chunked.cache.kept_positions(), one.cache.kept_positions())
+
+
+@pytest.mark.parametrize("name", ["snapkv", "knorm", "streaming_llm", "paged_eviction"])
+def test_chunked_compression_holds_budget_plus_chunk(smollm2_lm, name):
+  tok = smollm2_lm.tokenizer
+  prompts = [kvjax.tasks.make_sample(tok, "niah", length=n, seed=3).prompt for n in (700, 450)]
+  budget, chunk = 128, 128
+  fields = {"window": 16} if name == "snapkv" else {}
+  before = dict(generate_lib.COMPILE_COUNT)
+  r = kvjax.generate(smollm2_lm, prompts, policy=policies.get(name, **fields), budget=budget,
+                     max_new_tokens=4, prefill_chunk=chunk)
+  # One program serves every chunk (offsets and lengths are arrays, not statics).
+  assert generate_lib.COMPILE_COUNT["prefill_chunk"] == before["prefill_chunk"] + 1
+  testing.assert_cache_consistent(r.cache)
+  cfg = smollm2_lm.config
+  budgets = r.cache.capacity[0][0]
+  # The pool has room for the budget + one chunk (+ the decode tokens), not for the prompt.
+  assert budgets < 700 and budgets == max(r.cache.capacity[l][0] for l in range(cfg.num_layers))
+  kept = np.asarray(r.cache.kept_positions())  # [B, L, K, S]
+  for i, n in enumerate(r.stats.prompt_tokens):
+    held = (kept[i] >= 0).sum(-1)  # [L, K]: the budget (PagedEviction: whole pages) + decoded
+    assert held.max() <= budget + 3 and held.min() >= budget - 16, (name, held.min(), held.max())
+    assert (kept[i].max(-1) == n + 2).all()  # the newest token is there
+    if name == "snapkv":  # the window (the question's end) survived every compression
+      for pos in range(n - 16, n):
+        assert ((kept[i] == pos).sum(-1) == 1).all()
+
+
+def test_bad_chunks_are_refused(smollm2_lm):
+  with pytest.raises(ValueError, match="cannot compress a chunked prefill"):
+    kvjax.generate(smollm2_lm, ["hello"], policy="h2o", budget=64, prefill_chunk=64)
+  with pytest.raises(ValueError, match="must hold policy 'snapkv'"):
+    kvjax.generate(smollm2_lm, ["hello"], policy="snapkv", budget=128, prefill_chunk=32)
+  with pytest.raises(ValueError, match="prefill_chunk must be a positive int"):
+    kvjax.generate(smollm2_lm, ["hello"], prefill_chunk=-5)
