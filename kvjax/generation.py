@@ -178,8 +178,6 @@ def generate(
 
   if stop_ids is None:
     stop_ids = lm.tokenizer.stop_ids if lm.tokenizer is not None else ()
-  stops = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
-  pad_id = lm.tokenizer.pad_id if lm.tokenizer is not None else 0
   compile_s = 0.0
   timed = {}
 
@@ -215,11 +213,10 @@ def generate(
         (lm.params, cache, jnp.asarray(q_tokens), jnp.asarray(q_lengths), jnp.asarray(lengths)))
     next_pos = lengths + q_lengths
 
-  decode_args = (lm.params, cache, logits, jnp.asarray(next_pos), jnp.asarray(limit),
-                 jax.random.key(seed), stops, jnp.float32(temperature), jnp.int32(pad_id))
-  out, steps, cache = run(
-      "decode", _decode, decode_args,
-      policy=policy, max_new_tokens=max_new_tokens, top_k=top_k, backend=backend)
+  out, steps, cache, timed["decode"], dt = decode(
+      lm, cache, logits, next_pos, policy=policy, limit=limit, max_new_tokens=max_new_tokens,
+      backend=backend, stop_ids=stop_ids, temperature=temperature, top_k=top_k, seed=seed)
+  compile_s += dt
 
   token_ids = [_until_stop(row, set(int(s) for s in stop_ids)) for row in np.asarray(out)]
   texts = [lm.tokenizer.decode(row) if lm.tokenizer is not None else "" for row in token_ids]
@@ -230,6 +227,40 @@ def generate(
       compile_s=compile_s, kv_bytes=cache.kv_bytes, kv_capacity=cache.capacity,
       policy=policy.name, budget=budget, backend=backend)
   return GenerationResult(texts, token_ids, stats, cache)
+
+
+def decode(lm: LanguageModel, cache: PagedKVCache, logits, next_positions, *,
+           policy: policies_lib.Policy, limit, max_new_tokens: int, backend: str = "xla",
+           stop_ids: Sequence[int] = (), temperature: float = 0.0, top_k: int = 0,
+           seed: int = 0):
+  """Runs the compiled decode loop on a filled cache (what ``generate`` does after prefill).
+
+  Benchmarks call it on caches they fill themselves (e.g. synthetic keys and
+  values at lengths past the model's context): the step costs the same.
+
+  Args:
+    cache: a filled PagedKVCache (donated: do not reuse it).
+    logits: [B, V] next-token logits after the prompt.
+    next_positions: [B] int32 position of the first generated token.
+    policy: a bound policy (decode-time eviction, accumulated attention).
+    limit: [B, L, K] entries a head may hold (decode-evicting policies).
+    backend: a concrete backend ("xla" or "pallas").
+
+  Returns:
+    (tokens [B, max_new_tokens] int32 np.ndarray, steps run, final cache,
+    seconds of the loop, seconds spent compiling).
+  """
+  pad_id = lm.tokenizer.pad_id if lm.tokenizer is not None else 0
+  args = (lm.params, cache, logits, jnp.asarray(next_positions, jnp.int32),
+          jnp.asarray(limit, jnp.int32), jax.random.key(seed),
+          jnp.asarray(list(stop_ids) or [-1], jnp.int32), jnp.float32(temperature),
+          jnp.int32(pad_id))
+  program, compile_s = _compiled(_decode, args, dict(
+      graphdef=lm.graphdef, policy=policy, max_new_tokens=max_new_tokens, top_k=top_k,
+      backend=backend))
+  start = time.perf_counter()
+  out, steps, cache = jax.block_until_ready(program(*args))
+  return np.asarray(out), int(steps), cache, time.perf_counter() - start, compile_s
 
 
 # ------------------------------------------------------------------ programs

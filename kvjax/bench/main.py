@@ -1,0 +1,146 @@
+r"""Decode speed, prefill time and memory of KV-cache policies against context length.
+
+  python -m kvjax.bench                                   # full vs policies, 4K-32K
+  python -m kvjax.bench --policies=full,snapkv,paged_eviction --budget=1024 \
+      --context_lengths=8192,16384,32768,65536,131072 --decode_steps=16
+  python -m kvjax.bench --policies=full,snapkv --context_lengths=8000 --prefill_chunk=512
+
+Each (policy, context length) runs in a fresh child process (``--isolate``), so
+its peak memory is its own. Lengths that fit the model's context run a real
+prompt (prefill timed); longer ones fill the cache with synthetic keys and
+values (said in each row's ``fill``). Writes --out/results.jsonl (this run's
+rows), summary.md and PNG plots; prints the summary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import pathlib
+import subprocess
+import sys
+
+from absl import app
+from absl import flags
+
+from kvjax.bench import runner as runner
+from kvjax.bench import report
+
+_D = runner.BenchConfig()
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", _D.model, "Registry name, .gguf path or safetensors folder.")
+flags.DEFINE_list("policies", ["full", "snapkv", "streaming_llm", "paged_eviction"],
+                  "Policies; 'full' is the uncompressed reference.")
+flags.DEFINE_integer("budget", 1024, "KV entries per (layer, KV head) for every policy but full.")
+flags.DEFINE_list("context_lengths", ["4096", "8000", "16384", "32768"],
+                  "Cache lengths in tokens before decoding.")
+flags.DEFINE_integer("batch_size", _D.batch_size, "Sequences decoded together.")
+flags.DEFINE_integer("decode_steps", _D.decode_steps, "Decode steps timed per run.")
+flags.DEFINE_integer("prefill_chunk", _D.prefill_chunk, "Chunked prefill (0 = one shot).")
+flags.DEFINE_enum("backend", _D.backend, ["auto", "xla", "pallas"], "Kernel backend.")
+flags.DEFINE_enum("fill", _D.fill, ["auto", "prompt", "synthetic"],
+                  "How the cache is filled: a real prompt, synthetic entries, or auto "
+                  "(a prompt where it fits the model's context).")
+flags.DEFINE_integer("repeats", _D.repeats, "Timed runs after the warm-up (the best counts).")
+flags.DEFINE_integer("window", _D.window, "Observation window of window-scored policies.")
+flags.DEFINE_bool("isolate", True, "Run each configuration in its own process (own peak memory).")
+flags.DEFINE_string("out", "results/bench", "Output folder.")
+flags.DEFINE_string("child", None, "Internal: run one configuration (JSON) and print its row.")
+
+_ROW = "KVJAX_BENCH_ROW "
+
+
+def _ints(name: str) -> list[int]:
+  try:
+    values = [int(x) for x in getattr(FLAGS, name)]
+  except ValueError:
+    raise ValueError(f"--{name} must be a comma list of ints, got "
+                     f"{','.join(getattr(FLAGS, name))!r}") from None
+  if not values or min(values) < 1:
+    raise ValueError(f"--{name} must be positive ints, got {values}")
+  return values
+
+
+def configs() -> list[runner.BenchConfig]:
+  """The run's configurations, from the flags (ValueError for a bad value)."""
+  from kvjax import policies
+  for name in FLAGS.policies:
+    policies.get(name)
+  for name in ("batch_size", "decode_steps", "repeats", "budget"):
+    if getattr(FLAGS, name) < 1:
+      raise ValueError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
+  if FLAGS.prefill_chunk < 0:
+    raise ValueError(f"--prefill_chunk must be >= 0, got {FLAGS.prefill_chunk}")
+  return [runner.BenchConfig(
+      model=FLAGS.model, policy=p, budget=None if p == "full" else FLAGS.budget,
+      context_length=n, batch_size=FLAGS.batch_size, decode_steps=FLAGS.decode_steps,
+      prefill_chunk=FLAGS.prefill_chunk if p != "full" else 0, backend=FLAGS.backend,
+      fill=FLAGS.fill, repeats=FLAGS.repeats, window=FLAGS.window)
+      for n in _ints("context_lengths") for p in FLAGS.policies]
+
+
+def _in_child(cfg: runner.BenchConfig) -> dict:
+  proc = subprocess.run(
+      [sys.executable, "-m", "kvjax.bench", f"--child={json.dumps(dataclasses.asdict(cfg))}"],
+      capture_output=True, text=True)
+  rows = [l[len(_ROW):] for l in proc.stdout.splitlines() if l.startswith(_ROW)]
+  if proc.returncode != 0 or not rows:
+    tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+    raise RuntimeError(f"{cfg.policy} at {cfg.context_length} tokens failed: {tail}")
+  return json.loads(rows[-1])
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
+    sys.exit(2)
+  for noisy in ("jax", "matplotlib"):
+    logging.getLogger(noisy).setLevel(logging.WARNING)
+  if FLAGS.child:  # one configuration, in this (fresh) process
+    print(_ROW + json.dumps(runner.measure(runner.BenchConfig(**json.loads(FLAGS.child)))))
+    return
+  try:
+    todo = configs()
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  from tqdm import tqdm
+  out = pathlib.Path(FLAGS.out)
+  out.mkdir(parents=True, exist_ok=True)
+  rows, lm = [], None
+  with (out / "results.jsonl").open("w") as f:
+    for cfg in tqdm(todo, desc="bench", unit="config", file=sys.stderr):
+      try:
+        if FLAGS.isolate:
+          row = _in_child(cfg)
+        else:
+          if lm is None:
+            import kvjax
+            lm = kvjax.load(cfg.model)
+          row = runner.measure(cfg, lm)
+      except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+      f.write(json.dumps(row) + "\n")
+      f.flush()
+      rows.append(row)
+  print(report.write_report(rows, out))
+  print(f"rows, summary.md and plots in {out}")
+
+
+def _parse_flags(argv):
+  try:
+    return FLAGS(argv)
+  except flags.Error as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+def run() -> None:
+  """Console-script entry point."""
+  app.run(main, flags_parser=_parse_flags)
+
+
+if __name__ == "__main__":
+  run()

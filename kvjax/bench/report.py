@@ -1,0 +1,94 @@
+"""summary.md and PNG plots of benchmark rows."""
+
+from __future__ import annotations
+
+import collections
+import pathlib
+
+MIB = 2**20
+
+
+def _label(row: dict) -> str:
+  label = row["policy"] if row["budget"] is None else f"{row['policy']} @ {row['budget']}"
+  return label + (f", chunk {row['prefill_chunk']}" if row.get("prefill_chunk") else "")
+
+
+def summary_markdown(rows: list[dict]) -> str:
+  """Tables of decode ms/token, speed-up over the full cache, prefill and memory."""
+  if not rows:
+    return "No results.\n"
+  lengths = sorted({r["context_length"] for r in rows})
+  by = {(_label(r), r["context_length"]): r for r in rows}
+  labels = sorted({_label(r) for r in rows}, key=lambda l: (not l.startswith("full"), l))
+  head = "| policy | " + " | ".join(f"{n:,}" for n in lengths) + " |"
+  rule = "|---|" + "---|" * len(lengths)
+  r0 = rows[0]
+  lines = [f"# Benchmark ({r0['model']}, batch {r0['batch_size']}, {r0['device']}, "
+           f"backend {r0['backend']})", "",
+           "Columns: context length in tokens. `*` marks a cache filled with synthetic keys "
+           "and values (no prefill). Decode times are the best of the repeats after a "
+           "warm-up.", "", "## Decode ms per token", "", head, rule]
+
+  def cells(fmt):
+    for label in labels:
+      out = []
+      for n in lengths:
+        r = by.get((label, n))
+        out.append("–" if r is None else fmt(r, by.get(("full", n))))
+      lines.append(f"| {label} | " + " | ".join(out) + " |")
+
+  star = lambda r: "*" if r["fill"] == "synthetic" else ""
+  cells(lambda r, f: f"{r['decode_ms_per_token']:.1f}{star(r)}")
+  lines += ["", "## Decode speed-up over the full cache (same run)", "", head, rule]
+  cells(lambda r, f: "–" if f is None else
+        f"{f['decode_ms_per_token'] / r['decode_ms_per_token']:.2f}x")
+  lines += ["", "## Prefill + compression seconds", "", head, rule]
+  cells(lambda r, f: "–" if r["prefill_s"] is None else f"{r['prefill_s']:.2f}")
+  lines += ["", "## KV cache allocated, MiB", "", head, rule]
+  cells(lambda r, f: f"{r['kv_bytes'] / MIB:.1f}")
+  lines += ["", "## Peak process memory (ru_maxrss), MiB", "", head, rule]
+  cells(lambda r, f: f"{r['peak_rss_bytes'] / MIB:.0f}")
+  if any(r.get("device_peak_bytes") for r in rows):
+    lines += ["", "## Peak device memory (memory_stats), MiB", "", head, rule]
+    cells(lambda r, f: "–" if not r.get("device_peak_bytes") else
+          f"{r['device_peak_bytes'] / MIB:.0f}")
+  return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], out: pathlib.Path) -> list[pathlib.Path]:
+  """decode ms/token and peak memory against context length, a line per policy."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  series = collections.defaultdict(list)
+  for r in rows:
+    series[_label(r)].append(r)
+  paths = []
+  for name, key, ylabel in (
+      ("decode_ms_per_token.png", lambda r: r["decode_ms_per_token"], "decode ms / token"),
+      ("peak_memory.png", lambda r: r["peak_rss_bytes"] / MIB, "peak process memory (MiB)")):
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, rs in sorted(series.items()):
+      rs = sorted(rs, key=lambda r: r["context_length"])
+      ax.plot([r["context_length"] for r in rs], [key(r) for r in rs], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    r0 = rows[0]
+    ax.set_title(f"{r0['model']}, batch {r0['batch_size']}, {r0['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=110)
+    plt.close(fig)
+    paths.append(out / name)
+  return paths
+
+
+def write_report(rows: list[dict], out: str | pathlib.Path) -> str:
+  out = pathlib.Path(out)
+  text = summary_markdown(rows)
+  (out / "summary.md").write_text(text)
+  plot(rows, out)
+  return text

@@ -1,0 +1,170 @@
+"""One benchmark measurement: decode speed, prefill time and memory of a policy at a length.
+
+Two ways to fill the cache before decoding:
+  "prompt"     a real NIAH prompt of the context length through ``kvjax.generate``
+               (prefill + compression timed too); only up to the model's context.
+  "synthetic"  random keys and values of the right shapes written straight into
+               the pages (the full cache holds the context length, a policy its
+               budget), then the same compiled decode loop. A decode step costs
+               the same whatever the numbers are, so this measures decoding at
+               cache lengths past the model's context or a CPU's patience.
+Each timing follows a warm-up run of the same compiled program and ends with
+``block_until_ready``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+  """One measurement."""
+
+  model: str = "smollm2-135m-instruct"
+  policy: str = "full"
+  budget: int | None = None  # None for the full cache
+  context_length: int = 4096
+  batch_size: int = 1
+  decode_steps: int = 32
+  prefill_chunk: int = 0
+  backend: str = "auto"
+  fill: str = "auto"  # "auto": a real prompt where it fits the model's context
+  repeats: int = 3
+  window: int = 16  # observation window of window-scored policies (0 = policy default)
+  page_size: int = 16
+
+
+def peak_rss_bytes() -> int:
+  """This process's peak resident set size so far (Linux reports KiB)."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def device_peak_bytes() -> int | None:
+  """Peak device memory where the backend reports it (GPU/TPU), else None (CPU)."""
+  stats = jax.devices()[0].memory_stats()
+  return None if not stats else stats.get("peak_bytes_in_use")
+
+
+def _policy(cfg: BenchConfig):
+  from kvjax import policies
+  fields = {}
+  if cfg.window:
+    names = {f.name for f in dataclasses.fields(type(policies.get(cfg.policy)))}
+    fields = {f: cfg.window for f in ("window", "recent") if f in names}
+  return policies.get(cfg.policy, **fields)
+
+
+def measure(cfg: BenchConfig, lm=None) -> dict:
+  """Runs one configuration; returns its row (timings, bytes, how the cache was filled)."""
+  import kvjax
+  if lm is None:
+    lm = kvjax.load(cfg.model)
+  fits = cfg.context_length + cfg.decode_steps <= lm.config.max_position_embeddings
+  fill = cfg.fill if cfg.fill != "auto" else ("prompt" if fits else "synthetic")
+  if fill == "prompt" and not fits:
+    raise ValueError(f"a {cfg.context_length}-token prompt + {cfg.decode_steps} steps exceeds "
+                     f"the model's context of {lm.config.max_position_embeddings}; "
+                     "use --fill=synthetic")
+  policy = _policy(cfg).bind(lm.tokenizer)
+  policy.validate(cfg.budget)
+  rss_loaded = peak_rss_bytes()
+  run = _prompt_run if fill == "prompt" else _synthetic_run
+  row = run(lm, cfg, policy)
+  decode_s = row.pop("decode_s")
+  steps = row.pop("steps")
+  row.update({
+      "model": cfg.model, "policy": cfg.policy, "policy_fields": _fields(policy, cfg),
+      "budget": cfg.budget, "context_length": cfg.context_length,
+      "batch_size": cfg.batch_size, "decode_steps": steps, "prefill_chunk": cfg.prefill_chunk,
+      "fill": fill, "backend": kvjax.backend.resolve(cfg.backend),
+      "device": jax.devices()[0].platform,
+      "decode_ms_per_token": 1e3 * decode_s / steps,
+      "decode_tokens_per_s": cfg.batch_size * steps / decode_s,
+      "peak_rss_bytes": peak_rss_bytes(), "rss_after_load_bytes": rss_loaded,
+      "device_peak_bytes": device_peak_bytes(),
+      "memory_note": ("peak_rss_bytes: the process's peak resident set (ru_maxrss), model "
+                      "included; device_peak_bytes: memory_stats() where the backend has it"),
+  })
+  return row
+
+
+def _fields(policy, cfg):
+  return {f: getattr(policy, f) for f in ("window", "recent") if hasattr(policy, f)
+          and cfg.window}
+
+
+def _prompt_run(lm, cfg: BenchConfig, policy) -> dict:
+  import kvjax
+  sample = kvjax.tasks.make_sample(lm.tokenizer, "niah", length=cfg.context_length)
+  prompts = [sample.prompt] * cfg.batch_size
+  kwargs = dict(policy=policy, budget=cfg.budget, max_new_tokens=cfg.decode_steps,
+                stop_ids=[], backend=cfg.backend, page_size=cfg.page_size,
+                prefill_chunk=cfg.prefill_chunk)
+  first = kvjax.generate(lm, prompts, **kwargs)  # warm-up: compiles every program
+  runs = [kvjax.generate(lm, prompts, **kwargs) for _ in range(cfg.repeats)]
+  best = min(runs, key=lambda r: r.stats.decode_s)
+  return {"prefill_s": min(r.stats.prefill_s for r in runs), "decode_s": best.stats.decode_s,
+          "steps": best.stats.decode_steps, "compile_s": first.stats.compile_s,
+          "kv_bytes": best.stats.kv_bytes, "prompt_tokens": best.stats.prompt_tokens[0]}
+
+
+def synthetic_cache(lm, cfg: BenchConfig, policy, seed: int = 0):
+  """A cache filled with random entries as ``policy`` would leave a ``context_length`` prompt.
+
+  Returns (cache, budgets per layer). Slots hold the most recent positions.
+  """
+  from kvjax.cache.paged import PagedKVCache
+  c = lm.config
+  n = cfg.context_length
+  budgets = policy.layer_budgets(cfg.budget, n, c.num_layers) if cfg.budget else (n,) * c.num_layers
+  budgets = tuple(min(b, n) for b in budgets)
+  capacity = policy.capacity(budget=cfg.budget, prompt_len=n, extra_tokens=0,
+                             max_new_tokens=cfg.decode_steps, page_size=cfg.page_size,
+                             num_layers=c.num_layers)
+  cache = PagedKVCache.create(batch_size=cfg.batch_size, capacity=capacity,
+                              num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
+                              head_dim=c.head_dim, page_size=cfg.page_size, dtype=lm.dtype)
+  lengths = jnp.broadcast_to(jnp.asarray(budgets, jnp.int32)[None, :, None], cache.lengths.shape)
+  cache = cache.reserve(lengths)
+  kk, kv = jax.random.split(jax.random.key(seed))
+  # Each slot's position: the head's entries are the most recent ones.
+  ps = cfg.page_size
+  slot = (jnp.arange(cache.page_table.shape[-1])[:, None] * ps + jnp.arange(ps))  # [P_max, S_page]
+  pos = (n - lengths)[..., None, None] + slot  # [B, L, K, P_max, S_page]
+  pos = jnp.where(slot < lengths[..., None, None], pos, -1)
+  page = jnp.where(cache.page_table >= 0, cache.page_table, cache.num_pages)
+  positions = cache.positions.at[page].set(pos, mode="drop")
+  return cache.replace(
+      k_pages=jax.random.normal(kk, cache.k_pages.shape, cache.k_pages.dtype),
+      v_pages=jax.random.normal(kv, cache.v_pages.shape, cache.v_pages.dtype),
+      positions=positions, lengths=lengths), budgets
+
+
+def _synthetic_run(lm, cfg: BenchConfig, policy) -> dict:
+  import kvjax
+  from kvjax import generation
+  backend = kvjax.backend.resolve(cfg.backend)
+  best = compile_s = None
+  for i in range(cfg.repeats + 1):  # run 0 is the warm-up (it compiles)
+    cache, budgets = synthetic_cache(lm, cfg, policy, seed=i)
+    kv_bytes = cache.kv_bytes
+    jax.block_until_ready(cache)
+    limit = jnp.broadcast_to(jnp.asarray(budgets, jnp.int32)[None, :, None], cache.lengths.shape)
+    logits = jnp.zeros((cfg.batch_size, lm.config.vocab_size), jnp.float32)
+    nxt = jnp.full((cfg.batch_size,), cfg.context_length, jnp.int32)
+    _, steps, _, seconds, dt = generation.decode(
+        lm, cache, logits, nxt, policy=policy, limit=limit, max_new_tokens=cfg.decode_steps,
+        backend=backend)
+    if i == 0:
+      compile_s = dt
+    elif best is None or seconds < best[0]:
+      best = (seconds, steps - 1)
+  return {"prefill_s": None, "decode_s": best[0], "steps": best[1], "compile_s": compile_s,
+          "kv_bytes": kv_bytes, "prompt_tokens": None}

@@ -1,0 +1,70 @@
+"""Benchmark plumbing on tiny configurations: rows, fields, files. No timing assertions."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvjax.bench import runner
+
+FIELDS = ("model", "policy", "budget", "context_length", "batch_size", "decode_steps", "fill",
+          "backend", "decode_ms_per_token", "decode_tokens_per_s", "prefill_s", "kv_bytes",
+          "peak_rss_bytes", "memory_note")
+
+
+@pytest.mark.parametrize("fill", ["prompt", "synthetic"])
+@pytest.mark.parametrize("policy, budget", [("full", None), ("streaming_llm", 64)])
+def test_measure_row(smollm2_lm, fill, policy, budget):
+  cfg = runner.BenchConfig(policy=policy, budget=budget, context_length=160, decode_steps=3,
+                           repeats=1, fill=fill)
+  row = runner.measure(cfg, smollm2_lm)
+  for field in FIELDS:
+    assert field in row, field
+  assert row["fill"] == fill and row["decode_steps"] == 2  # forward passes after the first token
+  assert row["decode_ms_per_token"] > 0 and row["peak_rss_bytes"] > 0
+  assert (row["prefill_s"] is None) == (fill == "synthetic")
+  c = smollm2_lm.config
+  entries = 160 if budget is None else budget
+  grow = 0 if policy == "streaming_llm" else 3  # decode-evicting policies stay at the budget
+  per_slot = c.num_layers * c.num_kv_heads * c.head_dim * 4 * 2
+  if fill == "synthetic":
+    assert row["kv_bytes"] == per_slot * -(-(entries + grow) // 16) * 16
+
+
+def test_synthetic_cache_holds_the_most_recent_positions(smollm2_lm):
+  from kvjax import policies
+  cfg = runner.BenchConfig(policy="snapkv", budget=48, context_length=1000, decode_steps=4)
+  cache, budgets = runner.synthetic_cache(smollm2_lm, cfg, policies.get("snapkv"))
+  assert budgets == (48,) * smollm2_lm.config.num_layers
+  kept = np.asarray(cache.kept_positions())[0, 0, 0]
+  np.testing.assert_array_equal(kept[:48], np.arange(952, 1000))
+  assert (kept[48:] == -1).all()
+
+
+def test_cli_writes_rows_summary_and_plots(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, "-m", "kvjax.bench", "--policies=full,snapkv", "--budget=32",
+       "--context_lengths=96", "--decode_steps=2", "--repeats=1", "--isolate=false",
+       f"--out={tmp_path}"], capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = [json.loads(l) for l in (tmp_path / "results.jsonl").read_text().splitlines()]
+  assert [(r["policy"], r["budget"]) for r in rows] == [("full", None), ("snapkv", 32)]
+  assert sorted(p.name for p in tmp_path.iterdir()) == [
+      "decode_ms_per_token.png", "peak_memory.png", "results.jsonl", "summary.md"]
+  assert "## Decode ms per token" in proc.stdout and "| snapkv @ 32 |" in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--context_lengths=abc"], "--context_lengths must be a comma list of ints"),
+    (["--policies=nope"], "unknown policy 'nope'"),
+    (["--decode_steps=0"], "--decode_steps must be >= 1"),
+    (["--bogus"], "Unknown command line flag"),
+])
+def test_bad_flags_exit_2(tmp_path, args, message):
+  proc = subprocess.run([sys.executable, "-m", "kvjax.bench", f"--out={tmp_path}", *args],
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2
+  errors = [l for l in proc.stderr.splitlines() if l.startswith("error: ")]
+  assert len(errors) == 1 and message in errors[0], proc.stderr
