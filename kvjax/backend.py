@@ -11,6 +11,12 @@ Ops (name: signature of the reference):
   window_scores     kvjax.kernels.window_scoring.window_scores_reference
   token_norms       kvjax.kernels.window_scoring.token_norms_reference
   compact_slots     kvjax.kernels.compaction.compact_slots_reference
+  segment_ids       kvjax.kernels.segmentation.segment_ids_checked
+  dynamic_split     kvjax.kernels.segmentation.dynamic_split_checked
+
+The segmentation ops stay on XLA under "auto" even on GPU/TPU: their kernels
+are sequential scalar walks, O(T) steps per sequence beside an O(T^2)
+prefill, tested only in interpret mode here; "pallas" forces them.
 
 Code whose signature cannot carry a backend (a policy's ``score``) asks for
 the ambient one, ``current()``, which generation sets with ``use(backend)``
@@ -31,6 +37,7 @@ from kvjax.kernels.compaction import compact_slots
 from kvjax.kernels.compaction import compact_slots_reference
 from kvjax.kernels.paged_attention import paged_attention
 from kvjax.kernels.paged_attention import paged_attention_reference
+from kvjax.kernels import segmentation
 from kvjax.kernels.window_scoring import token_norms
 from kvjax.kernels.window_scoring import token_norms_reference
 from kvjax.kernels.window_scoring import window_scores
@@ -64,12 +71,27 @@ def _pallas_compact_slots(pools, page_table, lengths, keep, *, fills):
   return compact_slots(pools, page_table, lengths, keep, fills=fills, interpret=_interpret())
 
 
+def _pallas_segment_ids(cut_after, lengths, *, max_segment, min_segment):
+  return segmentation.segment_ids(cut_after, lengths, max_segment=max_segment,
+                                  min_segment=min_segment, interpret=_interpret())
+
+
+def _pallas_dynamic_split(density, candidate, lengths, *, chunk, delta, alpha):
+  return segmentation.dynamic_split(density, candidate, lengths, chunk=chunk, delta=delta,
+                                    alpha=alpha, interpret=_interpret())
+
+
+# Ops that "auto" keeps on XLA (see the module docstring).
+_XLA_UNDER_AUTO = frozenset({"segment_ids", "dynamic_split"})
+
 # op -> backend -> implementation.
 _OPS: dict[str, dict[str, Callable]] = {
     "paged_attention": {"xla": paged_attention_reference, "pallas": _pallas_paged_attention},
     "window_scores": {"xla": window_scores_reference, "pallas": _pallas_window_scores},
     "token_norms": {"xla": token_norms_reference, "pallas": _pallas_token_norms},
     "compact_slots": {"xla": compact_slots_reference, "pallas": _pallas_compact_slots},
+    "segment_ids": {"xla": segmentation.segment_ids_checked, "pallas": _pallas_segment_ids},
+    "dynamic_split": {"xla": segmentation.dynamic_split_checked, "pallas": _pallas_dynamic_split},
 }
 
 
@@ -99,7 +121,8 @@ def resolve(backend: str, op: str = "paged_attention") -> str:
   impls = _OPS[op]
   if backend == "auto":
     on_accelerator = jax.default_backend() in ("gpu", "tpu")
-    return "pallas" if on_accelerator and "pallas" in impls else "xla"
+    wants_pallas = on_accelerator and op not in _XLA_UNDER_AUTO
+    return "pallas" if wants_pallas and "pallas" in impls else "xla"
   if backend not in impls:
     raise ValueError(f"backend {backend!r} has no {op} implementation in this build; "
                      f"available: {sorted(impls)}")

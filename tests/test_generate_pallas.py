@@ -56,3 +56,21 @@ def test_pallas_matches_xla_greedy_tokens(smollm2_lm, policy, budget, scoring_ke
     # and a last-bit difference in summation order picks among equals: nearly the
     # same entries.
     assert (kept_pallas == kept_xla).mean() > 0.95
+
+
+@pytest.mark.parametrize("policy, op", [("sablock", "segment_ids"),
+                                        ("dynsplit_kv", "dynamic_split")])
+def test_segmentation_kernels_under_backend_pallas(smollm2_lm, policy, op):
+  """backend="pallas" routes SABlock's segmentation and DynSplit-KV's boundary walk
+  through their Pallas kernels ("auto" keeps them on XLA, see kvjax/backend.py)."""
+  prompt = _prompt(smollm2_lm, 384)
+  kwargs = dict(policy=policy, budget=96, max_new_tokens=2, stop_ids=[])
+  xla = kvjax.generate(smollm2_lm, [prompt], backend="xla", **kwargs)
+  with mock.patch.object(backend_lib.segmentation, op,
+                         wraps=getattr(backend_lib.segmentation, op)) as kernel:
+    pallas = kvjax.generate(smollm2_lm, [prompt], backend="pallas", **kwargs)
+  assert kernel.call_count >= 1
+  assert backend_lib.resolve("auto", op) == "xla"
+  np.testing.assert_array_equal(np.asarray(pallas.cache.kept_positions()),
+                                np.asarray(xla.cache.kept_positions()))
+  assert pallas.token_ids == xla.token_ids

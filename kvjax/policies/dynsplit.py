@@ -29,7 +29,7 @@ from typing import ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kvjax.kernels import segmentation
+from kvjax import backend as backend_lib
 from kvjax.policies import blocks
 from kvjax.policies import selection
 from kvjax.policies.baselines import SnapKV
@@ -101,7 +101,7 @@ class DynSplitKV(SnapKV):
     b, kh, t = scores.shape
     prefix, window = blocks.regions(prompt.lengths, t, self.window)
     candidate = blocks.is_delimiter(prompt.tokens, self.delimiter_ids) & prefix
-    starts, sizes = segmentation.dynamic_split_checked(
+    starts, sizes = backend_lib.get("dynamic_split")(
         jnp.where(prefix, density, 0.0), candidate, jnp.maximum(prompt.lengths - self.window, 0),
         chunk=self.chunk, delta=self.delta, alpha=float(self.alpha))
     nb = starts.shape[1]

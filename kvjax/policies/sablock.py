@@ -32,7 +32,7 @@ from typing import ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kvjax.kernels import segmentation
+from kvjax import backend as backend_lib
 from kvjax.policies import blocks
 from kvjax.policies import selection
 from kvjax.policies.baselines import SnapKV
@@ -99,7 +99,7 @@ class SABlock(SnapKV):
     if not self.delimiter_ids or tokens is None:
       raise ValueError("sablock needs delimiter_ids (pass a tokenizer) and the prompt tokens")
     cut = blocks.is_delimiter(tokens, self.delimiter_ids)
-    return segmentation.segment_ids_checked(
+    return backend_lib.get("segment_ids")(
         cut, jnp.maximum(lengths - self.window, 0), max_segment=self.max_segment,
         min_segment=self.min_segment)
 
