@@ -87,7 +87,34 @@ def summary_markdown(rows: Iterable[dict]) -> str:
           out.append(f"{100 * _value(c):.0f}% ({len(c)})" if c else "–")
         lines.append(f"| {label} | " + " | ".join(out) + " |")
       lines.append("")
+  lines += _depth_tables(by_group)
   return "\n".join(lines)
+
+
+def _depth_tables(by_group) -> list[str]:
+  """Depth × length accuracy of each policy and budget (the heatmaps' numbers)."""
+  lines = []
+  for group in sorted(by_group):
+    rows = [r for r in by_group[group] if r.get("depth") is not None]
+    lengths = sorted({r["length"] for r in rows})
+    if len(lengths) < 2:
+      continue
+    configs = sorted({(r["policy"], r["budget"] or 0) for r in rows},
+                     key=lambda x: (x[0] != "full", x))
+    for policy, budget in configs:
+      mine = [r for r in rows if r["policy"] == policy and (r["budget"] or 0) == budget]
+      lines += [f"## {_group_title(group)}: {policy}"
+                + (f" at budget {budget}" if budget else "") + ", depth × length", "",
+                "| depth | " + " | ".join(str(n) for n in lengths) + " |",
+                "|---|" + "---|" * len(lengths)]
+      for d in sorted({r["depth"] for r in mine}):
+        cells = []
+        for n in lengths:
+          c = [r for r in mine if r["depth"] == d and r["length"] == n]
+          cells.append(f"{100 * _value(c):.0f}% ({len(c)})" if c else "–")
+        lines.append(f"| {d:.0%} | " + " | ".join(cells) + " |")
+      lines.append("")
+  return lines
 
 
 def _plt():
@@ -133,9 +160,10 @@ def plot_heatmaps(rows: list[dict], out: pathlib.Path) -> list[pathlib.Path]:
         ax.set_title(policy if policy == "full" else f"{policy}", fontsize=8)
         ax.set_xlabel("prompt tokens", fontsize=7)
       axes[0][0].set_ylabel("needle depth", fontsize=7)
-      fig.suptitle(f"{_group_title(group)}, budget {budget}", fontsize=9)
+      fig.suptitle(f"{_group_title(group)}, " + (f"budget {budget}" if budget else "full cache"),
+                   fontsize=9)
       fig.tight_layout()
-      path = out / f"heatmap_{_slug(group)}_b{budget}.png"
+      path = out / f"heatmap_{_slug(group)}_{f'b{budget}' if budget else 'full'}.png"
       fig.savefig(path, dpi=110)
       plt.close(fig)
       paths.append(path)
