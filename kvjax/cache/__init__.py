@@ -3,6 +3,7 @@
 from kvjax.cache.attention import Prompt
 from kvjax.cache.attention import SelectFn
 from kvjax.cache.attention import causal_attention
+from kvjax.cache.attention import chunk_attention
 from kvjax.cache.attention import decode_attention
 from kvjax.cache.attention import extend_attention
 from kvjax.cache.attention import keep_all
@@ -16,6 +17,7 @@ __all__ = [
     "Prompt",
     "SelectFn",
     "causal_attention",
+    "chunk_attention",
     "decode_attention",
     "extend_attention",
     "keep_all",
