@@ -31,7 +31,7 @@ class EvalConfig:
 
   model: str = "smollm2-135m-instruct"
   policies: tuple[str, ...] = ("full", "streaming_llm", "snapkv", "pyramidkv", "knorm",
-                               "chunkkv")
+                               "chunkkv", "paged_eviction", "sablock", "dynsplit_kv")
   budgets: tuple[int, ...] = (128,)
   task: str = "niah"
   haystacks: tuple[str, ...] = ("repeat", "natural")  # synthetic tasks' filler kinds
