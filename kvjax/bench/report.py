@@ -42,8 +42,9 @@ def summary_markdown(rows: list[dict]) -> str:
   lines += ["", "## Decode speed-up over the full cache (same run)", "", head, rule]
   cells(lambda r, f: "–" if f is None else
         f"{f['decode_ms_per_token'] / r['decode_ms_per_token']:.2f}x")
-  lines += ["", "## Prefill + compression seconds", "", head, rule]
-  cells(lambda r, f: "–" if r["prefill_s"] is None else f"{r['prefill_s']:.2f}")
+  if any(r["prefill_s"] is not None for r in rows):
+    lines += ["", "## Prefill + compression seconds", "", head, rule]
+    cells(lambda r, f: "–" if r["prefill_s"] is None else f"{r['prefill_s']:.2f}")
   lines += ["", "## KV cache allocated, MiB", "", head, rule]
   cells(lambda r, f: f"{r['kv_bytes'] / MIB:.1f}")
   lines += ["", "## Peak process memory (ru_maxrss), MiB", "", head, rule]
