@@ -185,12 +185,11 @@ def _row_head(cfg, policy, fields, budget, sample: Sample) -> dict:
 def _generate(lm, cfg: EvalConfig, policy, budget, sample: Sample) -> dict:
   import kvjax
   tok = lm.tokenizer
-  extra = {"prefill_chunk": cfg.prefill_chunk} if cfg.prefill_chunk else {}
   result = kvjax.generate(
       lm, [tok.encode(sample.context)], questions=[tok.encode(sample.question)],
       query_aware=cfg.query_aware, policy=policy, budget=budget,
       max_new_tokens=cfg.max_new_tokens or sample.max_new_tokens, backend=cfg.backend,
-      page_size=cfg.page_size, **extra)
+      page_size=cfg.page_size, prefill_chunk=cfg.prefill_chunk)
   prediction = result.texts[0]
   score, correct = metrics_lib.score(sample.metric, prediction, sample.answers,
                                      all_classes=sample.all_classes)

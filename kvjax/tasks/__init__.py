@@ -1,8 +1,9 @@
 """Long-context task generators (prompts with known answers) and local datasets."""
 
+from kvjax.tasks.dataset import dataset_samples
 from kvjax.tasks.niah import TASKS
 from kvjax.tasks.niah import make_sample
 from kvjax.tasks.passkey import passkey_prompt
 from kvjax.tasks.sample import Sample
 
-__all__ = ["Sample", "TASKS", "make_sample", "passkey_prompt"]
+__all__ = ["Sample", "TASKS", "dataset_samples", "make_sample", "passkey_prompt"]
