@@ -21,6 +21,8 @@ import time
 from absl import app
 from absl import flags
 
+import peers  # this folder: the press table and transformers' loading
+
 flags.DEFINE_list("lengths", ["2048", "4096"], "Prompt lengths in tokens.")
 flags.DEFINE_list("budgets", ["64", "128", "256", "512"], "KV entries per layer and KV head.")
 flags.DEFINE_list("policies", ["streaming_llm", "snapkv", "pyramidkv", "knorm", "h2o", "chunkkv",
@@ -34,14 +36,6 @@ flags.DEFINE_string("out", "results/passkey_table", "Output folder.")
 FLAGS = flags.FLAGS
 
 MAX_NEW = 12
-KVPRESS = {  # kvjax policy -> kvpress press factory (compression ratio, window)
-    "streaming_llm": lambda kp, cr, w: kp.StreamingLLMPress(compression_ratio=cr, n_sink=4),
-    "snapkv": lambda kp, cr, w: kp.SnapKVPress(compression_ratio=cr, window_size=w),
-    "pyramidkv": lambda kp, cr, w: kp.PyramidKVPress(compression_ratio=cr, window_size=w),
-    "knorm": lambda kp, cr, w: kp.KnormPress(compression_ratio=cr),
-    "chunkkv": lambda kp, cr, w: kp.ChunkKVPress(
-        press=kp.SnapKVPress(compression_ratio=cr, window_size=w), chunk_length=20),
-}
 
 
 def _fields(policy):
@@ -101,15 +95,7 @@ def main(argv):
     for line in results.read_text().splitlines():
       r = json.loads(line)
       done.add((r["side"], r["policy"], r["budget"], r["length"], r["mode"], r["depth"]))
-  hf = kvpress = None
-  if FLAGS.kvpress:
-    import torch
-    import transformers
-    import kvpress
-    path = pathlib.Path(lm.source)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="sdpa",
-        local_files_only=True).eval()
+  hf = peers.load_transformers(lm.source) if FLAGS.kvpress else None
 
   jobs = []
   for length in map(int, FLAGS.lengths):
@@ -119,7 +105,7 @@ def main(argv):
         for budget in map(int, FLAGS.budgets):
           for policy in FLAGS.policies:
             jobs.append(("kvjax", policy, budget, length, mode, depth))
-            if hf is not None and policy in KVPRESS:
+            if hf is not None and policy in peers.PRESSES:
               jobs.append(("kvpress", policy, budget, length, mode, depth))
   todo = [j for j in jobs if j not in done]
   print(f"{len(jobs)} runs, {len(todo)} to do", flush=True)
@@ -141,7 +127,7 @@ def main(argv):
       else:
         n = len(ctx) + (len(question) if aware else 0)
         # +0.5: kvpress keeps int(n * (1 - ratio)) entries, which must not round down.
-        press = KVPRESS[policy](kvpress, 1.0 - (budget + 0.5) / n, FLAGS.window)
+        press = peers.press(policy, budget, n, FLAGS.window)
         text = tok.decode(_hf_answer(hf, press, ctx, question, aware))
       row = dict(side=side, policy=policy, budget=budget, length=length, mode=mode,
                  depth=depth, window=FLAGS.window, prompt_tokens=len(ctx) + len(question),

@@ -53,6 +53,8 @@ import time
 from absl import app
 from absl import flags
 
+import peers  # this folder: the press table and transformers' loading
+
 flags.DEFINE_list("policies", ["snapkv", "knorm"],
                   "kvjax policies that have a kvpress press (the full cache always runs too).")
 flags.DEFINE_integer("budget", 1024, "KV entries kept per layer and KV head, on both sides.")
@@ -75,17 +77,9 @@ flags.DEFINE_string("policy", None, "Internal: the child's policy.")
 flags.DEFINE_string("prompt_file", None, "Internal: the child's prompt (JSON).")
 FLAGS = flags.FLAGS
 
-ROW_MARK = "VS_KVPRESS_ROW "  # prefix of the child's JSON line on stdout
+ROW_MARK = "VS_peers.PRESSES_ROW "  # prefix of the child's JSON line on stdout
 WARMUP_TOKENS = 512  # the short warm-up prompt
 MIB = 2**20
-KVPRESS = {  # kvjax policy -> kvpress press factory (compression ratio, window)
-    "streaming_llm": lambda kp, cr, w: kp.StreamingLLMPress(compression_ratio=cr, n_sink=4),
-    "snapkv": lambda kp, cr, w: kp.SnapKVPress(compression_ratio=cr, window_size=w),
-    "pyramidkv": lambda kp, cr, w: kp.PyramidKVPress(compression_ratio=cr, window_size=w),
-    "knorm": lambda kp, cr, w: kp.KnormPress(compression_ratio=cr),
-    "chunkkv": lambda kp, cr, w: kp.ChunkKVPress(
-        press=kp.SnapKVPress(compression_ratio=cr, window_size=w), chunk_length=20),
-}
 # What makes a row: configurations already in results.jsonl are not run again.
 KEY_FIELDS = ("side", "policy", "context_length", "budget", "decode_steps", "window",
               "query_aware", "warmup", "repeats")
@@ -176,13 +170,9 @@ def _kvpress_side(prompt):
   """Runs one configuration on transformers + kvpress; returns the measured fields."""
   import torch
   import transformers
-  import kvpress
   transformers.utils.logging.disable_progress_bar()
   transformers.utils.logging.set_verbosity_error()
-  path = pathlib.Path(prompt["model_path"])
-  model = transformers.AutoModelForCausalLM.from_pretrained(
-      str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="sdpa",
-      local_files_only=True).eval()
+  model = peers.load_transformers(prompt["model_path"])
   name = FLAGS.policy
 
   @torch.no_grad()
@@ -191,8 +181,7 @@ def _kvpress_side(prompt):
     first, rest = (ctx + question, []) if FLAGS.query_aware else (ctx, question)
     press = None
     if name != "full":
-      # +0.5: kvpress keeps int(n * (1 - ratio)) entries, which must not round down.
-      press = KVPRESS[name](kvpress, 1.0 - (budget + 0.5) / len(first), FLAGS.window)
+      press = peers.press(name, budget, len(first), FLAGS.window)
     cache = transformers.DynamicCache()
     start = time.perf_counter()
     # As kvpress's pipeline: the compressed forward without the LM head (no
@@ -269,9 +258,9 @@ def _ints(name):
 
 def _check_flags():
   """The run's context lengths (UsageError for a bad flag)."""
-  unknown = [p for p in FLAGS.policies if p not in KVPRESS]
+  unknown = [p for p in FLAGS.policies if p not in peers.PRESSES]
   if unknown or not FLAGS.policies:
-    raise UsageError(f"--policies must name policies with a kvpress press ({','.join(KVPRESS)}), "
+    raise UsageError(f"--policies must name policies with a kvpress press ({','.join(peers.PRESSES)}), "
                      f"got {','.join(FLAGS.policies)!r}")
   lengths = _ints("context_lengths")
   if not lengths:
@@ -448,7 +437,7 @@ def _summary(rows):
               "peak RSS MiB | KV MiB | KV MiB at end | same tokens | kvjax/kvpress decode tok/s | "
               "kvjax/kvpress prefill s |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for policy in ["full"] + [p for p in KVPRESS if (length, p, "kvjax") in by
+    for policy in ["full"] + [p for p in peers.PRESSES if (length, p, "kvjax") in by
                               or (length, p, "kvpress") in by]:
       ours, theirs = by.get((length, policy, "kvjax")), by.get((length, policy, "kvpress"))
       for side, r in (("kvjax", ours), ("kvpress", theirs)):

@@ -16,6 +16,8 @@ import time
 from absl import app
 from absl import flags
 
+import peers  # this folder: transformers' loading
+
 flags.DEFINE_list("lengths", ["1024", "4096"], "Prompt lengths in tokens.")
 flags.DEFINE_integer("new_tokens", 64, "Tokens generated (no early stop).")
 flags.DEFINE_integer("repeats", 2, "Timed runs per side and length; the best is kept.")
@@ -62,15 +64,11 @@ def main(argv):
   os.environ.setdefault("HF_HUB_OFFLINE", "1")
   import jax
   import torch
-  import transformers
 
   import kvjax
   from kvjax import tasks
   lm = kvjax.load()
-  path = pathlib.Path(lm.source)
-  hf = transformers.AutoModelForCausalLM.from_pretrained(
-      str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="sdpa",
-      local_files_only=True).eval()
+  hf = peers.load_transformers(lm.source)
   rows = []
   for length in map(int, FLAGS.lengths):
     prompt = tasks.passkey_prompt(lm.tokenizer, context_tokens=length, seed=0).prompt

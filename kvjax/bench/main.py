@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import pathlib
 import subprocess
 import sys
 
-from absl import app
 from absl import flags
 
-from kvjax.bench import runner as runner
+from kvjax import cli
+
+from kvjax.bench import runner
 from kvjax.bench import report
 
 _D = runner.BenchConfig()
@@ -93,18 +93,15 @@ def _in_child(cfg: runner.BenchConfig) -> dict:
 
 def main(argv) -> None:
   if len(argv) > 1:
-    print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
-    sys.exit(2)
-  for noisy in ("jax", "matplotlib"):
-    logging.getLogger(noisy).setLevel(logging.WARNING)
+    cli.fail(f"unexpected arguments {argv[1:]}")
+  cli.quiet_logs()
   if FLAGS.child:  # one configuration, in this (fresh) process
     print(_ROW + json.dumps(runner.measure(runner.BenchConfig(**json.loads(FLAGS.child)))))
     return
   try:
     todo = configs()
   except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+    cli.fail(str(e))
   from tqdm import tqdm
   out = pathlib.Path(FLAGS.out)
   out.mkdir(parents=True, exist_ok=True)
@@ -120,8 +117,7 @@ def main(argv) -> None:
             lm = kvjax.load(cfg.model)
           row = runner.measure(cfg, lm)
       except (ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        cli.fail(str(e))
       f.write(json.dumps(row) + "\n")
       f.flush()
       rows.append(row)
@@ -129,17 +125,9 @@ def main(argv) -> None:
   print(f"rows, summary.md and plots in {out}")
 
 
-def _parse_flags(argv):
-  try:
-    return FLAGS(argv)
-  except flags.Error as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
-
-
 def run() -> None:
   """Console-script entry point."""
-  app.run(main, flags_parser=_parse_flags)
+  cli.run(main)
 
 
 if __name__ == "__main__":

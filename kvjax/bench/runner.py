@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import resource
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from kvjax import policies
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,15 +52,6 @@ def device_peak_bytes() -> int | None:
   return None if not stats else stats.get("peak_bytes_in_use")
 
 
-def _policy(cfg: BenchConfig):
-  from kvjax import policies
-  fields = {}
-  if cfg.window:
-    names = {f.name for f in dataclasses.fields(type(policies.get(cfg.policy)))}
-    fields = {f: cfg.window for f in ("window", "recent") if f in names}
-  return policies.get(cfg.policy, **fields)
-
-
 def measure(cfg: BenchConfig, lm=None) -> dict:
   """Runs one configuration; returns its row (timings, bytes, how the cache was filled)."""
   import kvjax
@@ -72,7 +63,8 @@ def measure(cfg: BenchConfig, lm=None) -> dict:
     raise ValueError(f"a {cfg.context_length}-token prompt + {cfg.decode_steps} steps exceeds "
                      f"the model's context of {lm.config.max_position_embeddings}; "
                      "use --fill=synthetic")
-  policy = _policy(cfg).bind(lm.tokenizer)
+  fields = policies.window_fields(cfg.policy, cfg.window)
+  policy = policies.get(cfg.policy, **fields).bind(lm.tokenizer)
   policy.validate(cfg.budget)
   rss_loaded = peak_rss_bytes()
   run = _prompt_run if fill == "prompt" else _synthetic_run
@@ -80,7 +72,7 @@ def measure(cfg: BenchConfig, lm=None) -> dict:
   decode_s = row.pop("decode_s")
   steps = row.pop("steps")
   row.update({
-      "model": cfg.model, "policy": cfg.policy, "policy_fields": _fields(policy, cfg),
+      "model": cfg.model, "policy": cfg.policy, "policy_fields": fields,
       "budget": cfg.budget, "context_length": cfg.context_length,
       "batch_size": cfg.batch_size, "decode_steps": steps, "prefill_chunk": cfg.prefill_chunk,
       "fill": fill, "backend": kvjax.backend.resolve(cfg.backend),
@@ -93,11 +85,6 @@ def measure(cfg: BenchConfig, lm=None) -> dict:
                       "included; device_peak_bytes: memory_stats() where the backend has it"),
   })
   return row
-
-
-def _fields(policy, cfg):
-  return {f: getattr(policy, f) for f in ("window", "recent") if hasattr(policy, f)
-          and cfg.window}
 
 
 def _prompt_run(lm, cfg: BenchConfig, policy) -> dict:

@@ -11,12 +11,9 @@ the rows already there), --out/summary.md and PNG plots, and prints the summary.
 
 from __future__ import annotations
 
-import logging
-import sys
-
-from absl import app
 from absl import flags
 
+from kvjax import cli
 from kvjax.eval import runner
 
 _D = runner.EvalConfig()
@@ -76,10 +73,8 @@ def config_from_flags() -> runner.EvalConfig:
 
 def main(argv) -> None:
   if len(argv) > 1:
-    print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
-    sys.exit(2)
-  for noisy in ("jax", "matplotlib"):  # absl shows INFO logs; these are noise here
-    logging.getLogger(noisy).setLevel(logging.WARNING)
+    cli.fail(f"unexpected arguments {argv[1:]}")
+  cli.quiet_logs()
   from kvjax.eval import report
   try:
     cfg = config_from_flags()
@@ -87,24 +82,14 @@ def main(argv) -> None:
   except (UsageError, ValueError, FileNotFoundError) as e:
     # ValueError covers what the library rejects up front: an unknown policy or
     # model, a budget a policy cannot honour, an unreadable dataset.
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+    cli.fail(str(e))
   print(report.write_report(rows, FLAGS.out))
   print(f"rows, summary.md and plots in {FLAGS.out}")
 
 
-def _parse_flags(argv):
-  """absl's flag parsing with a one-line error and exit code 2 for a bad flag."""
-  try:
-    return FLAGS(argv)
-  except flags.Error as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
-
-
 def run() -> None:
   """Console-script entry point."""
-  app.run(main, flags_parser=_parse_flags)
+  cli.run(main)
 
 
 if __name__ == "__main__":

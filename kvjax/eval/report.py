@@ -31,6 +31,13 @@ def _group_title(group: tuple) -> str:
   return ", ".join(parts)
 
 
+def _by_group(rows) -> dict[tuple, list[dict]]:
+  groups = collections.defaultdict(list)
+  for r in rows:
+    groups[_group(r)].append(r)
+  return groups
+
+
 def _slug(group: tuple) -> str:
   task, haystack, aware, chunk = group
   slug = f"{task}_{haystack}_{'aware' if aware else 'agnostic'}"
@@ -58,9 +65,7 @@ def summary_markdown(rows: Iterable[dict]) -> str:
   lines = [f"# Accuracy ({model})", "",
            "Cells: accuracy (mean score for non-exact metrics) over the samples, n in brackets. "
            "Policy fields (observation window) in brackets after the name.", ""]
-  by_group = collections.defaultdict(list)
-  for r in rows:
-    by_group[_group(r)].append(r)
+  by_group = _by_group(rows)
   for group in sorted(by_group):
     group_rows = by_group[group]
     budgets = sorted({r["budget"] for r in group_rows if r["budget"] is not None})
@@ -128,10 +133,7 @@ def plot_heatmaps(rows: list[dict], out: pathlib.Path) -> list[pathlib.Path]:
   """Depth × length accuracy per policy, one PNG per (group, budget); full in each."""
   plt = _plt()
   paths = []
-  by_group = collections.defaultdict(list)
-  for r in rows:
-    if r.get("depth") is not None:
-      by_group[_group(r)].append(r)
+  by_group = _by_group(r for r in rows if r.get("depth") is not None)
   for group, group_rows in sorted(by_group.items()):
     depths = sorted({r["depth"] for r in group_rows})
     lengths = sorted({r["length"] for r in group_rows})
@@ -174,10 +176,7 @@ def plot_accuracy_vs_budget(rows: list[dict], out: pathlib.Path) -> list[pathlib
   """Accuracy against budget per policy, one panel per length, one PNG per group."""
   plt = _plt()
   paths = []
-  by_group = collections.defaultdict(list)
-  for r in rows:
-    by_group[_group(r)].append(r)
-  for group, group_rows in sorted(by_group.items()):
+  for group, group_rows in sorted(_by_group(rows).items()):
     budgets = sorted({r["budget"] for r in group_rows if r["budget"] is not None})
     if not budgets:
       continue

@@ -14,6 +14,7 @@ import pathlib
 import sys
 from typing import Sequence
 
+from kvjax import policies
 from kvjax.eval import metrics as metrics_lib
 from kvjax.tasks import dataset as dataset_lib
 from kvjax.tasks import niah
@@ -70,15 +71,6 @@ class EvalConfig:
         raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
 
 
-def policy_fields(name: str, window: int) -> dict:
-  """The fields the run sets on a policy: the observation window, where it has one."""
-  from kvjax import policies
-  if not window:
-    return {}
-  fields = {f.name for f in dataclasses.fields(type(policies.get(name)))}
-  return {f: window for f in ("window", "recent") if f in fields}
-
-
 def make_samples(tokenizer, cfg: EvalConfig, max_tokens: int) -> list[Sample]:
   """The run's samples (synthetic prompts, or the dataset's rows)."""
   if cfg.task == "dataset":
@@ -126,7 +118,7 @@ def read_rows(path: pathlib.Path) -> list[dict]:
 def _jobs(cfg: EvalConfig, samples: Sequence[Sample]):
   """(policy, fields, budget, sample) to run, full cache once per sample."""
   for policy in cfg.policies:
-    fields = policy_fields(policy, cfg.window)
+    fields = policies.window_fields(policy, cfg.window)
     for budget in ([None] if policy == "full" else cfg.budgets):
       for sample in samples:
         yield policy, fields, budget, sample

@@ -30,6 +30,17 @@ def names() -> list[str]:
   return sorted(_REGISTRY)
 
 
+def window_fields(name: str, window: int) -> dict:
+  """``{"window": w}`` (H2O: ``{"recent": w}``) for a policy that has one; {} otherwise or for 0.
+
+  How the command-line tools set one observation window across many policies.
+  """
+  if not window:
+    return {}
+  known = {f.name for f in dataclasses.fields(type(get(name)))}
+  return {f: window for f in ("window", "recent") if f in known}
+
+
 def get(name: str | Policy, **fields) -> Policy:
   """A policy by name, with hyper-parameters as keyword fields.
 
@@ -65,4 +76,5 @@ __all__ = [
     "delimiter_ids",
     "get",
     "names",
+    "window_fields",
 ]

@@ -1,0 +1,37 @@
+"""What the command-line tools share: flag errors on one line with exit code 2, quiet logs.
+
+Used by ``kvjax.eval`` and ``kvjax.bench`` (the library itself never imports it).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Callable
+
+from absl import app
+from absl import flags
+
+
+def fail(message: str) -> None:
+  """Prints ``error: message`` on stderr and exits with code 2 (a usage error)."""
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(2)
+
+
+def quiet_logs() -> None:
+  """absl shows INFO logs; JAX's and matplotlib's are noise on a command line."""
+  for noisy in ("jax", "matplotlib"):
+    logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _parse_flags(argv):
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    fail(str(e))
+
+
+def run(main: Callable) -> None:
+  """``app.run(main)`` with a bad flag reported by ``fail``, not a usage dump."""
+  app.run(main, flags_parser=_parse_flags)
