@@ -125,10 +125,12 @@ def generate(
   backend = backend_lib.resolve(backend)
   cfg = lm.config
   for name, value in (("max_new_tokens", max_new_tokens), ("page_size", page_size),
-                      ("pad_multiple", pad_multiple), ("attention_block", attention_block),
-                      ("prefill_chunk", prefill_chunk + 1)):
+                      ("pad_multiple", pad_multiple), ("attention_block", attention_block)):
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
       raise ValueError(f"{name} must be a positive int, got {value!r}")
+  if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 0:
+    raise ValueError(f"prefill_chunk must be a positive int (or 0 for one shot), "
+                     f"got {prefill_chunk!r}")
   if prefill_chunk:
     policy.check_chunk(prefill_chunk)
   if budget is not None and budget > cfg.max_position_embeddings:
