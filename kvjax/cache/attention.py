@@ -61,34 +61,40 @@ def causal_attention(
   c = min(block, t)
   num_blocks = -(-t // c)
   pad = ((0, 0), (0, num_blocks * c - t), (0, 0), (0, 0))
-  qb = jnp.pad(q, pad).astype(jnp.float32).reshape(b, num_blocks, c, kh, g, h) * (h ** -0.5)
-  kb = jnp.pad(k, pad).reshape(b, num_blocks, c, kh, h)
-  vb = jnp.pad(v, pad).reshape(b, num_blocks, c, kh, h)
-  diagonal = jnp.arange(c)[:, None] >= jnp.arange(c)[None, :]  # [C, C]
+  # Blocks lead, and a KV head's G query heads are folded into the query rows
+  # ([NB, B, K, G*C, H]), so each step is one batched matmul over (B, K) with
+  # no transpose inside the loops: on a CPU that is most of attention's cost.
+  qb = (jnp.pad(q, pad).astype(jnp.float32) * (h ** -0.5)).reshape(
+      b, num_blocks, c, kh, g, h).transpose(1, 0, 3, 4, 2, 5).reshape(num_blocks, b, kh, g * c, h)
+  kb = jnp.pad(k, pad).reshape(b, num_blocks, c, kh, h).transpose(1, 0, 3, 2, 4)  # [NB, B, K, C, H]
+  vb = jnp.pad(v, pad).reshape(b, num_blocks, c, kh, h).transpose(1, 0, 3, 2, 4)
+  diagonal = jnp.tile(jnp.arange(c)[:, None] >= jnp.arange(c)[None, :], (g, 1))  # [G*C, C]
+
+  def key_block(carry, qi, kj, vj, mask=None):
+    running_max, denom, acc = carry
+    logits = jnp.einsum("bkmh,bksh->bkms", qi, kj, preferred_element_type=jnp.float32)
+    if mask is not None:
+      logits = jnp.where(mask, logits, -jnp.inf)
+    new_max = jnp.maximum(running_max, logits.max(-1))
+    p = jnp.exp(logits - new_max[..., None])
+    rescale = jnp.exp(running_max - new_max)
+    denom = denom * rescale + p.sum(-1)
+    acc = acc * rescale[..., None] + jnp.einsum("bkms,bksh->bkmh", p, vj,
+                                                preferred_element_type=jnp.float32)
+    return new_max, denom, acc
 
   def query_block(i):
-    qi = qb[:, i]  # [B, C, K, G, H]
+    qi = qb[i]  # [B, K, G*C, H]
+    init = (jnp.full((b, kh, g * c), -jnp.inf), jnp.zeros((b, kh, g * c)),
+            jnp.zeros((b, kh, g * c, h)))
+    # Key blocks before the diagonal need no mask; the diagonal block comes last.
+    carry = jax.lax.fori_loop(0, i, lambda j, carry: key_block(carry, qi, kb[j], vb[j]), init)
+    _, denom, acc = key_block(carry, qi, kb[i], vb[i], diagonal)
+    return acc / denom[..., None]  # [B, K, G*C, H]
 
-    def key_block(j, carry):
-      running_max, denom, acc = carry
-      logits = jnp.einsum("bckgh,bskh->bkgcs", qi, kb[:, j], preferred_element_type=jnp.float32)
-      logits = jnp.where((j < i) | diagonal, logits, -jnp.inf)
-      new_max = jnp.maximum(running_max, logits.max(-1))
-      p = jnp.exp(logits - new_max[..., None])
-      rescale = jnp.exp(running_max - new_max)
-      denom = denom * rescale + p.sum(-1)
-      acc = acc * rescale[..., None] + jnp.einsum(
-          "bkgcs,bskh->bkgch", p, vb[:, j], preferred_element_type=jnp.float32)
-      return new_max, denom, acc
-
-    init = (jnp.full((b, kh, g, c), -jnp.inf), jnp.zeros((b, kh, g, c)),
-            jnp.zeros((b, kh, g, c, h)))
-    _, denom, acc = jax.lax.fori_loop(0, i + 1, key_block, init)
-    return acc / denom[..., None]  # [B, K, G, C, H]
-
-  out = jax.lax.map(query_block, jnp.arange(num_blocks))  # [T/C, B, K, G, C, H]
-  out = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, num_blocks * c, n, h)[:, :t]
-  return out.astype(q.dtype)
+  out = jax.lax.map(query_block, jnp.arange(num_blocks))  # [NB, B, K, G*C, H]
+  out = out.reshape(num_blocks, b, kh, g, c, h).transpose(1, 0, 4, 2, 3, 5)
+  return out.reshape(b, num_blocks * c, n, h)[:, :t].astype(q.dtype)
 
 
 def _check_qkv(cache: PagedKVCache, q, k, v, positions, t: int | None = None) -> None:
@@ -166,11 +172,22 @@ def prefill_attention(
         f"capacity of at least {t} per head, the smallest is {smallest}; pass a "
         f"select function that keeps fewer, or a larger capacity")
   out = causal_attention(q, k, v, block=block)
-  slots, scores = select(layer, Prompt(tokens, positions, lengths), q, k, v)
+  return store_prompt(cache, layer, Prompt(tokens, positions, lengths), q, k, v, select), out
+
+
+def store_prompt(cache: PagedKVCache, layer, prompt: Prompt, q: jax.Array, k: jax.Array,
+                 v: jax.Array, select: SelectFn) -> PagedKVCache:
+  """Writes what ``select`` keeps of a prompt's keys and values into layer ``layer``.
+
+  The storing half of ``prefill_attention``; a one-shot prefill's layers do
+  not depend on what earlier layers kept, so a prompt's recorded q, k, v
+  ([B, T, N, H], [B, T, K, H]) can be stored under several policies.
+  """
+  slots, scores = select(layer, prompt, q, k, v)
   kept = (jnp.max(slots, axis=-1) + 1).astype(jnp.int32)  # [B, K]: slots fill from 0 upwards
   cache = cache.set_lengths(layer, kept)
   cache = cache.reserve(cache.lengths)
-  return cache.write(layer, k, v, slots, positions, scores), out
+  return cache.write(layer, k, v, slots, prompt.positions, scores)
 
 
 def extend_attention(
