@@ -13,6 +13,7 @@ from kvjax.cache import prefill_attention
 from kvjax.generation import GenerationResult
 from kvjax.generation import GenerationStats
 from kvjax.generation import generate
+from kvjax.generation import generate_each
 from kvjax.models.config import LlamaConfig
 from kvjax.models.config import RopeScaling
 from kvjax.models.lm import LanguageModel
@@ -31,6 +32,7 @@ __all__ = [
     "causal_attention",
     "decode_attention",
     "generate",
+    "generate_each",
     "init_random",
     "load",
     "policies",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -63,10 +63,39 @@ def generate(
     lm: LanguageModel,
     prompts: str | Sequence[str] | Sequence[Sequence[int]],
     *,
-    questions: str | Sequence[str] | Sequence[Sequence[int]] | None = None,
-    query_aware: bool = True,
     policy: str | policies_lib.Policy = "full",
     budget: int | None = None,
+    **kwargs,
+) -> GenerationResult:
+  """Generates continuations of a batch of prompts under a KV-cache policy.
+
+  Args:
+    lm: a model from ``kvjax.load``.
+    prompts: one string, a list of strings, or a list of token-id lists (the
+      context, when ``questions`` are given).
+    policy: a policy name or object (``kvjax.policies.get``).
+    budget: KV entries kept per (layer, KV head) after prefill, sinks and
+      window included; None for "full".
+    **kwargs: the options of ``generate_each`` (questions, query_aware,
+      max_new_tokens, temperature, top_k, seed, chat_template, stop_ids,
+      page_size, backend, pad_multiple, attention_block, prefill_chunk).
+
+  Returns:
+    GenerationResult with texts, token ids, stats and the final cache.
+
+  Raises:
+    ValueError: a bad argument (see ``generate_each``), before any work is done.
+  """
+  return next(generate_each(lm, prompts, [(policy, budget)], **kwargs))
+
+
+def generate_each(
+    lm: LanguageModel,
+    prompts: str | Sequence[str] | Sequence[Sequence[int]],
+    runs: Sequence[tuple[str | policies_lib.Policy, int | None]],
+    *,
+    questions: str | Sequence[str] | Sequence[Sequence[int]] | None = None,
+    query_aware: bool = True,
     max_new_tokens: int = 64,
     temperature: float = 0.0,
     top_k: int = 0,
@@ -78,20 +107,27 @@ def generate(
     pad_multiple: int = 64,
     attention_block: int = 256,
     prefill_chunk: int = 0,
-) -> GenerationResult:
-  """Generates continuations of a batch of prompts under a KV-cache policy.
+) -> Iterator[GenerationResult]:
+  """Generates for one batch of prompts under each (policy, budget) in turn.
+
+  With a one-shot prefill and more than one run, the prompt's forward pass
+  runs once: no layer's prefill depends on what an earlier layer kept (each
+  attends over all of its prompt's keys), so every layer's q, k and v are
+  recorded and each run only stores what its policy keeps of them
+  (``kvjax.cache.store_prompt``) before decoding. That is the same
+  computation as a separate ``generate`` per run, at the cost of holding the
+  recorded q, k, v ([L, B, T, N + 2K, H]) while the runs go; each run's
+  ``prefill_s`` counts the shared forward plus its own compression.
 
   Args:
     lm: a model from ``kvjax.load``.
     prompts: one string, a list of strings, or a list of token-id lists (the
       context, when ``questions`` are given).
+    runs: (policy name or object, budget) pairs; budget is None for "full".
     questions: optional text that follows each prompt. With ``query_aware``
       the prompt and question are compressed together (the question sits in
       the observation window); without it the prompt is compressed first and
       the question appended uncompressed (query-agnostic).
-    policy: a policy name or object (``kvjax.policies.get``).
-    budget: KV entries kept per (layer, KV head) after prefill, sinks and
-      window included; None for "full".
     max_new_tokens: tokens to generate per sequence (static: sets the output shape).
     temperature: 0 for greedy decoding, else sampling temperature.
     top_k: sample among the k most likely tokens (0 = all).
@@ -109,19 +145,20 @@ def generate(
       to itself, after which the cache is compressed back to the budget: the
       cache never holds more than budget + chunk entries per head. For
       policies that score from an observation window or from keys and values
-      (``Policy.chunked_prefill``); the chunk must hold the window.
+      (``Policy.chunked_prefill``); the chunk must hold the window. Each run
+      prefills on its own (its chunks attend to its own compressed cache).
 
-  Returns:
-    GenerationResult with texts, token ids, stats and the final cache.
+  Yields:
+    A GenerationResult per run, in the order of ``runs``.
 
   Raises:
     ValueError: a bad argument (unknown policy or backend, a budget the policy
       cannot honour or larger than the model's context, a prompt longer than
       the model's context, a non-positive size), before any work is done.
   """
-  policy = policies_lib.get(policy)
-  policy.validate(budget)
-  policy = policy.bind(lm.tokenizer)
+  runs = [(policies_lib.get(policy), budget) for policy, budget in runs]
+  if not runs:
+    raise ValueError("runs is empty: pass at least one (policy, budget) pair")
   backend = backend_lib.resolve(backend)
   cfg = lm.config
   for name, value in (("max_new_tokens", max_new_tokens), ("page_size", page_size),
@@ -131,13 +168,16 @@ def generate(
   if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 0:
     raise ValueError(f"prefill_chunk must be a positive int (or 0 for one shot), "
                      f"got {prefill_chunk!r}")
-  if prefill_chunk:
-    policy.check_chunk(prefill_chunk)
-  if budget is not None and budget > cfg.max_position_embeddings:
-    # No sequence can ever hold more entries than the model's context: such a
-    # budget is a typo (or a token count mistaken for something else).
-    raise ValueError(f"budget {budget} exceeds the model's context of "
-                     f"{cfg.max_position_embeddings} tokens")
+  for policy, budget in runs:
+    policy.validate(budget)
+    if prefill_chunk:
+      policy.check_chunk(prefill_chunk)
+    if budget is not None and budget > cfg.max_position_embeddings:
+      # No sequence can ever hold more entries than the model's context: such a
+      # budget is a typo (or a token count mistaken for something else).
+      raise ValueError(f"budget {budget} exceeds the model's context of "
+                       f"{cfg.max_position_embeddings} tokens")
+  runs = [(policy.bind(lm.tokenizer), budget) for policy, budget in runs]
   if not isinstance(temperature, (int, float)) or not np.isfinite(temperature) or temperature < 0:
     raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
   if not isinstance(top_k, int) or isinstance(top_k, bool) or not 0 <= top_k <= cfg.vocab_size:
@@ -161,74 +201,75 @@ def generate(
   t_pad = tokens.shape[1]
   q_tokens = _pad(question_ids, pad_multiple) if question_ids else None
   q_pad = 0 if q_tokens is None else q_tokens.shape[1]
-
-  budgets = policy.layer_budgets(budget, t_pad, cfg.num_layers)
-  capacity = policy.capacity(
-      budget=budget, prompt_len=t_pad, extra_tokens=q_pad + prefill_chunk,
-      max_new_tokens=max_new_tokens, page_size=page_size, num_layers=cfg.num_layers)
-  if prefill_chunk:  # never more than the whole prompt (the full policy keeps it all)
-    capacity = tuple(min(c, round_up(t_pad + q_pad + max_new_tokens, page_size))
-                     for c in capacity)
-  cache = PagedKVCache.create(
-      batch_size=len(ids), capacity=capacity, num_layers=cfg.num_layers,
-      num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=page_size,
-      dtype=lm.dtype)
-  # Decode-evicting policies hold each head at its budget (+ its question).
-  limit = np.broadcast_to(
-      np.asarray(budgets, np.int32)[None, :, None] + q_lengths[:, None, None],
-      cache.lengths.shape)
-
   if stop_ids is None:
     stop_ids = lm.tokenizer.stop_ids if lm.tokenizer is not None else ()
-  compile_s = 0.0
-  timed = {}
 
-  def run(name, fn, args, **statics):
-    nonlocal compile_s
-    program, dt = _compiled(fn, args, dict(statics, graphdef=lm.graphdef))
-    compile_s += dt
-    start = time.perf_counter()
-    out = jax.block_until_ready(program(*args))
-    timed[name] = timed.get(name, 0.0) + time.perf_counter() - start
-    return out
+  recorded, shared = None, _Clock(lm.graphdef)  # a one-shot forward shared by the runs
+  if len(runs) > 1 and not prefill_chunk:
+    shape = (cfg.num_layers, len(ids), t_pad)
+    buffers = tuple(jnp.zeros(shape + (heads, cfg.head_dim), lm.dtype)
+                    for heads in (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads))
+    recorded = shared("prefill", _record, (lm.params, buffers, jnp.asarray(tokens),
+                                           jnp.asarray(lengths)), block=attention_block)
 
-  if prefill_chunk:
-    logits = None
-    for start in range(0, t_pad, prefill_chunk):
-      chunk_lengths = np.clip(lengths - start, 0, prefill_chunk).astype(np.int32)
-      cache, chunk_logits = run(
-          "prefill", _prefill_chunk,
-          (lm.params, cache, jnp.asarray(tokens[:, start:start + prefill_chunk]),
-           jnp.asarray(chunk_lengths), jnp.full(lengths.shape, start, jnp.int32)),
-          policy=policy, budget=budget, budgets=budgets, backend=backend)
-      # Each sequence's next-token logits come from the chunk holding its last token.
-      logits = chunk_logits if logits is None else jnp.where(
-          jnp.asarray(chunk_lengths > 0)[:, None], chunk_logits, logits)
-  else:
-    cache, logits = run(
-        "prefill", _prefill, (lm.params, cache, jnp.asarray(tokens), jnp.asarray(lengths)),
-        policy=policy, block=attention_block, budget=budget, budgets=budgets, backend=backend)
-  next_pos = lengths
-  if q_tokens is not None:
-    cache, logits = run(
-        "prefill", _extend,
-        (lm.params, cache, jnp.asarray(q_tokens), jnp.asarray(q_lengths), jnp.asarray(lengths)))
-    next_pos = lengths + q_lengths
+  for i, (policy, budget) in enumerate(runs):
+    # Every run counts the shared forward's time; its compilation counts once.
+    clock = _Clock(lm.graphdef, dict(shared.seconds), 0.0 if i else shared.compile_s)
+    budgets = policy.layer_budgets(budget, t_pad, cfg.num_layers)
+    capacity = policy.capacity(
+        budget=budget, prompt_len=t_pad, extra_tokens=q_pad + prefill_chunk,
+        max_new_tokens=max_new_tokens, page_size=page_size, num_layers=cfg.num_layers)
+    if prefill_chunk:  # never more than the whole prompt (the full policy keeps it all)
+      capacity = tuple(min(c, round_up(t_pad + q_pad + max_new_tokens, page_size))
+                       for c in capacity)
+    cache = PagedKVCache.create(
+        batch_size=len(ids), capacity=capacity, num_layers=cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=page_size,
+        dtype=lm.dtype)
+    # Decode-evicting policies hold each head at its budget (+ its question).
+    limit = np.broadcast_to(
+        np.asarray(budgets, np.int32)[None, :, None] + q_lengths[:, None, None],
+        cache.lengths.shape)
+    statics = dict(policy=policy, budget=budget, budgets=budgets, backend=backend)
+    if prefill_chunk:
+      logits = None
+      for start in range(0, t_pad, prefill_chunk):
+        chunk_lengths = np.clip(lengths - start, 0, prefill_chunk).astype(np.int32)
+        cache, chunk_logits = clock(
+            "prefill", _prefill_chunk,
+            (lm.params, cache, jnp.asarray(tokens[:, start:start + prefill_chunk]),
+             jnp.asarray(chunk_lengths), jnp.full(lengths.shape, start, jnp.int32)), **statics)
+        # Each sequence's next-token logits come from the chunk holding its last token.
+        logits = chunk_logits if logits is None else jnp.where(
+            jnp.asarray(chunk_lengths > 0)[:, None], chunk_logits, logits)
+    elif recorded is not None:
+      states, logits = recorded
+      cache = clock("prefill", _store, (lm.params, cache, states, jnp.asarray(tokens),
+                                        jnp.asarray(lengths)), **statics)
+    else:
+      cache, logits = clock(
+          "prefill", _prefill, (lm.params, cache, jnp.asarray(tokens), jnp.asarray(lengths)),
+          block=attention_block, **statics)
+    next_pos = lengths
+    if q_tokens is not None:
+      cache, logits = clock(
+          "prefill", _extend,
+          (lm.params, cache, jnp.asarray(q_tokens), jnp.asarray(q_lengths), jnp.asarray(lengths)))
+      next_pos = lengths + q_lengths
 
-  out, steps, cache, timed["decode"], dt = decode(
-      lm, cache, logits, next_pos, policy=policy, limit=limit, max_new_tokens=max_new_tokens,
-      backend=backend, stop_ids=stop_ids, temperature=temperature, top_k=top_k, seed=seed)
-  compile_s += dt
-
-  token_ids = [_until_stop(row, set(int(s) for s in stop_ids)) for row in np.asarray(out)]
-  texts = [lm.tokenizer.decode(row) if lm.tokenizer is not None else "" for row in token_ids]
-  stats = GenerationStats(
-      prompt_tokens=tuple(int(n) for n in lengths + q_lengths),
-      generated_tokens=tuple(len(row) for row in token_ids),
-      prefill_s=timed["prefill"], decode_s=timed["decode"], decode_steps=int(steps) - 1,
-      compile_s=compile_s, kv_bytes=cache.kv_bytes, kv_capacity=cache.capacity,
-      policy=policy.name, budget=budget, backend=backend)
-  return GenerationResult(texts, token_ids, stats, cache)
+    out, steps, cache, decode_s, dt = decode(
+        lm, cache, logits, next_pos, policy=policy, limit=limit,
+        max_new_tokens=max_new_tokens, backend=backend, stop_ids=stop_ids,
+        temperature=temperature, top_k=top_k, seed=seed)
+    token_ids = [_until_stop(row, set(int(s) for s in stop_ids)) for row in np.asarray(out)]
+    texts = [lm.tokenizer.decode(row) if lm.tokenizer is not None else "" for row in token_ids]
+    stats = GenerationStats(
+        prompt_tokens=tuple(int(n) for n in lengths + q_lengths),
+        generated_tokens=tuple(len(row) for row in token_ids),
+        prefill_s=clock.seconds["prefill"], decode_s=decode_s, decode_steps=int(steps) - 1,
+        compile_s=clock.compile_s + dt, kv_bytes=cache.kv_bytes, kv_capacity=cache.capacity,
+        policy=policy.name, budget=budget, backend=backend)
+    yield GenerationResult(texts, token_ids, stats, cache)
 
 
 def decode(lm: LanguageModel, cache: PagedKVCache, logits, next_positions, *,
@@ -291,6 +332,44 @@ def _prefill_body(params, cache, tokens, lengths, *, graphdef, policy, block, bu
   hidden, cache = model(tokens, positions, cache, attend)
   last = hidden[jnp.arange(tokens.shape[0]), lengths - 1]  # [B, D]
   return cache, model.logits(last)
+
+
+def _record(params, buffers, tokens, lengths, *, graphdef, block):
+  """Prompt forward pass that records every layer's q, k, v (no cache, no policy).
+
+  Args:
+    buffers: (q [L, B, T, N, H], k [L, B, T, K, H], v [L, B, T, K, H]) to fill
+      (donated: filled in place).
+
+  Returns:
+    (the filled buffers, logits [B, V] at each sequence's last token).
+  """
+  model = nnx.merge(graphdef, params)
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+
+  def attend(buffers, layer, q, k, v):
+    out = attention_lib.causal_attention(q, k, v, block=block)
+    return tuple(b.at[layer].set(x.astype(b.dtype)) for b, x in zip(buffers, (q, k, v))), out
+
+  hidden, buffers = model(tokens, positions, buffers, attend)
+  last = hidden[jnp.arange(tokens.shape[0]), lengths - 1]
+  return buffers, model.logits(last)
+
+
+def _store(params, cache, recorded, tokens, lengths, *, graphdef, policy, budget, budgets,
+           backend):
+  """Stores what the policy keeps of a recorded prompt (``_record``) in every layer."""
+  del params, graphdef
+  with backend_lib.use(backend):
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    prompt = attention_lib.Prompt(tokens, positions, lengths)
+    select = policy.select(budget, budgets)
+
+    def layer_body(layer, cache):
+      q, k, v = (x[layer] for x in recorded)
+      return attention_lib.store_prompt(cache, layer, prompt, q, k, v, select)
+
+    return jax.lax.fori_loop(0, recorded[0].shape[0], layer_body, cache)
 
 
 def _prefill_chunk(params, cache, tokens, lengths, offsets, *, graphdef, policy, budget,
@@ -380,7 +459,26 @@ def _sample(logits, key, temperature, top_k: int):
 # ------------------------------------------------------------------ compilation
 
 _PROGRAMS: dict = {}
-COMPILE_COUNT = {"prefill": 0, "prefill_chunk": 0, "extend": 0, "decode": 0}  # programs compiled so far, per kind
+# Programs compiled so far, per kind.
+COMPILE_COUNT = {"prefill": 0, "prefill_chunk": 0, "record": 0, "store": 0, "extend": 0,
+                 "decode": 0}
+
+
+class _Clock:
+  """Runs compiled programs, adding their run seconds per name and their compile seconds."""
+
+  def __init__(self, graphdef, seconds: dict | None = None, compile_s: float = 0.0):
+    self.graphdef = graphdef
+    self.seconds = seconds or {}
+    self.compile_s = compile_s
+
+  def __call__(self, name: str, fn, args, **statics):
+    program, dt = _compiled(fn, args, dict(statics, graphdef=self.graphdef))
+    self.compile_s += dt
+    start = time.perf_counter()
+    out = jax.block_until_ready(program(*args))
+    self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+    return out
 
 
 def _compiled(fn, args, statics: dict):

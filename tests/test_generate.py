@@ -128,6 +128,39 @@ class GenerateTest(absltest.TestCase):
     self.assertGreater(s.decode_tokens_per_s, 0)
     np.testing.assert_array_equal(result.cache.lengths[:, 0, 0], [41 + 4, 7 + 4, 70 + 4])
 
+  def test_shared_prefill_equals_one_generate_per_run(self):
+    # generate_each runs the prompt's forward once and stores each policy's
+    # choice of the recorded q, k, v: the same tokens and kept entries as a
+    # generate call per run, for prefill-only, decode-evicting and
+    # per-layer-budget policies, query-aware and query-agnostic.
+    runs = [("full", None), (policies.get("snapkv", window=8), 24),
+            (policies.get("h2o", recent=8), 24), (policies.get("pyramidkv", window=8), 24),
+            ("paged_eviction", 48)]
+    questions = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    for query_aware in (True, False):
+      kw = dict(questions=questions, query_aware=query_aware, max_new_tokens=10, stop_ids=[])
+      before = dict(generate_lib.COMPILE_COUNT)
+      each = list(generate_lib.generate_each(self.lm, self.prompts, runs, **kw))
+      self.assertLessEqual(generate_lib.COMPILE_COUNT["record"], before["record"] + 1)
+      self.assertEqual(generate_lib.COMPILE_COUNT["prefill"], before["prefill"])
+      self.assertLen(each, len(runs))
+      for (policy, budget), got in zip(runs, each):
+        want = kvjax.generate(self.lm, self.prompts, policy=policy, budget=budget, **kw)
+        name = f"{got.stats.policy} query_aware={query_aware}"
+        self.assertEqual(got.stats.policy, policies.get(policy).name)
+        self.assertEqual(got.token_ids, want.token_ids, name)
+        np.testing.assert_array_equal(got.cache.kept_positions(), want.cache.kept_positions(),
+                                      err_msg=name)
+        self.assertGreater(got.stats.prefill_s, 0)
+
+  def test_generate_each_checks_every_run_first(self):
+    with self.assertRaisesRegex(ValueError, "runs is empty"):
+      next(generate_lib.generate_each(self.lm, [[1]], []))
+    before = dict(generate_lib.COMPILE_COUNT)
+    with self.assertRaisesRegex(ValueError, "needs a budget"):
+      next(generate_lib.generate_each(self.lm, [[1, 2]], [("full", None), ("snapkv", None)]))
+    self.assertEqual(generate_lib.COMPILE_COUNT, before)  # nothing ran
+
   def test_bad_input(self):
     with self.assertRaisesRegex(ValueError, "exceeds the model's context of 256"):
       kvjax.generate(self.lm, [[1] * 250], max_new_tokens=10)

@@ -8,6 +8,7 @@ from kvjax.cache.attention import decode_attention
 from kvjax.cache.attention import extend_attention
 from kvjax.cache.attention import keep_all
 from kvjax.cache.attention import prefill_attention
+from kvjax.cache.attention import store_prompt
 from kvjax.cache.paged import EMPTY
 from kvjax.cache.paged import PagedKVCache
 
@@ -22,4 +23,5 @@ __all__ = [
     "extend_attention",
     "keep_all",
     "prefill_attention",
+    "store_prompt",
 ]

@@ -1,7 +1,9 @@
 """Runs samples × policies × budgets through ``kvjax.generate`` into results.jsonl.
 
 One JSON row per (sample, policy, budget): what was asked, what came back,
-its score, the timings and the KV bytes allocated. Rows already in the file
+its score, the timings and the KV bytes allocated. A sample's runs share its
+prompt's forward pass (one-shot prefill), so each row's prefill_s counts that
+forward plus the row's own compression. Rows already in the file
 (same key) are skipped, so an interrupted run resumes where it stopped.
 Greedy decoding and seeded prompts make a run deterministic for its seed.
 """
@@ -153,14 +155,25 @@ def run(cfg: EvalConfig, out: str | pathlib.Path, *, progress: bool = True,
       rows.append(done[row_key(row)])
     else:
       jobs.append((row, policy, fields, budget, sample))
-  bar = tqdm(jobs, desc="eval", unit="run", disable=not progress, file=sys.stderr)
+  # A sample's runs share one prompt forward (``kvjax.generation.generate_each``).
+  # Grouped by the sample object itself: dataset rows may share (or lack) an id.
+  by_sample: dict[int, list] = {}
+  for job in jobs:
+    by_sample.setdefault(id(job[-1]), []).append(job)
+  bar = tqdm(total=len(jobs), desc="eval", unit="run", disable=not progress, file=sys.stderr)
   with path.open("a") as f:
-    for row, policy, fields, budget, sample in bar:
-      bar.set_postfix_str(f"{policy} b={budget} {sample.num_tokens} tok", refresh=False)
-      row.update(_generate(lm, cfg, kvjax.policies.get(policy, **fields), budget, sample))
-      f.write(json.dumps(row) + "\n")
-      f.flush()
-      rows.append(row)
+    for group in by_sample.values():
+      sample = group[0][-1]
+      bar.set_postfix_str(f"{sample.num_tokens} tok, {len(group)} runs", refresh=False)
+      runs = [(kvjax.policies.get(policy, **fields), budget)
+              for _, policy, fields, budget, _ in group]
+      for (row, *_), result in zip(group, _generate(lm, cfg, runs, sample)):
+        row.update(result)
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        rows.append(row)
+        bar.update()
+  bar.close()
   return rows
 
 
@@ -174,18 +187,19 @@ def _row_head(cfg, policy, fields, budget, sample: Sample) -> dict:
   }
 
 
-def _generate(lm, cfg: EvalConfig, policy, budget, sample: Sample) -> dict:
-  import kvjax
+def _generate(lm, cfg: EvalConfig, runs, sample: Sample):
+  """Yields each run's result fields for one sample."""
+  from kvjax import generation
   tok = lm.tokenizer
-  result = kvjax.generate(
-      lm, [tok.encode(sample.context)], questions=[tok.encode(sample.question)],
-      query_aware=cfg.query_aware, policy=policy, budget=budget,
-      max_new_tokens=cfg.max_new_tokens or sample.max_new_tokens, backend=cfg.backend,
-      page_size=cfg.page_size, prefill_chunk=cfg.prefill_chunk)
-  prediction = result.texts[0]
-  score, correct = metrics_lib.score(sample.metric, prediction, sample.answers,
-                                     all_classes=sample.all_classes)
-  s = result.stats
-  return {"correct": correct, "score": score, "prediction": prediction,
-          "answer": list(sample.answers), "prefill_s": s.prefill_s, "decode_s": s.decode_s,
-          "compile_s": s.compile_s, "kv_bytes": s.kv_bytes, "backend": s.backend}
+  results = generation.generate_each(
+      lm, [tok.encode(sample.context)], runs, questions=[tok.encode(sample.question)],
+      query_aware=cfg.query_aware, max_new_tokens=cfg.max_new_tokens or sample.max_new_tokens,
+      backend=cfg.backend, page_size=cfg.page_size, prefill_chunk=cfg.prefill_chunk)
+  for result in results:
+    prediction = result.texts[0]
+    score, correct = metrics_lib.score(sample.metric, prediction, sample.answers,
+                                       all_classes=sample.all_classes)
+    s = result.stats
+    yield {"correct": correct, "score": score, "prediction": prediction,
+           "answer": list(sample.answers), "prefill_s": s.prefill_s, "decode_s": s.decode_s,
+           "compile_s": s.compile_s, "kv_bytes": s.kv_bytes, "backend": s.backend}
