@@ -123,3 +123,35 @@ def test_needs_delimiters_and_checks_fields():
     policies.get("sablock", epsilon=1.0)
   with pytest.raises(ValueError, match="delimiter_ids must be a sequence"):
     policies.get("sablock", delimiter_ids="abc")
+
+
+def test_rank_in_segment_equals_brute_force():
+  # The shift-and-count rank against counting every pair: segments from the
+  # reference segmenter (at most max_segment long), means with many ties,
+  # every block size, a ragged batch.
+  from kvjax.kernels import segmentation
+  from kvjax.policies import sablock
+  rng = np.random.default_rng(0)
+  b, kh, t, span = 2, 3, 300, 64
+  lengths = np.array([283, 150])
+  seg = segmentation.segment_ids_reference(jnp.asarray(rng.random((b, t)) < 0.08),
+                                           jnp.asarray(lengths), max_segment=span, min_segment=4)
+  seg_np = np.asarray(seg)
+  start = np.asarray(blocks.segment_starts(seg))
+  mean = rng.integers(0, 4, (b, kh, t)).astype(np.float32)
+  for stride in (1, 2, 4, 8, 16, 32, 64):
+    is_rep = (np.arange(t)[None] == start + (np.arange(t)[None] - start) // stride * stride)
+    is_rep &= np.arange(t)[None] < lengths[:, None]
+    got = np.asarray(sablock._rank_in_segment(jnp.asarray(mean), jnp.asarray(is_rep), seg,
+                                              stride=stride, span=span))
+    checked = 0
+    for i_b in range(b):
+      reps = np.flatnonzero(is_rep[i_b])
+      for k in range(kh):
+        for i in reps:
+          same = reps[seg_np[i_b, reps] == seg_np[i_b, i]]
+          m = mean[i_b, k]
+          want = np.sum((m[same] > m[i]) | ((m[same] == m[i]) & (same < i)))
+          assert got[i_b, k, i] == want, (stride, i_b, k, i)
+          checked += 1
+    assert checked > 0

@@ -152,14 +152,7 @@ class SABlock(SnapKV):
       total = blocks.per_segment_sum(jnp.where(prefix[:, None], guided, 0.0), block)
       count = blocks.per_segment_sum(prefix.astype(jnp.float32), block)
       mean = total / jnp.maximum(count, 1.0)[:, None]  # [B, K, T] at block ids
-      # Rank each block inside its segment: sort by (segment, -mean, index).
-      seg_key = jnp.broadcast_to(jnp.where(is_rep, seg, t)[:, None], guided.shape)
-      mean_key = jnp.where(is_rep[:, None], -mean, 0.0)
-      order = jnp.lexsort((jnp.broadcast_to(idx, guided.shape), mean_key, seg_key), axis=-1)
-      position = jnp.argsort(order, axis=-1)  # where each block id landed
-      n_blocks = blocks.per_segment_sum(is_rep.astype(jnp.int32), seg)  # [B, T_seg]
-      first = jnp.cumsum(n_blocks, -1) - n_blocks  # sorted position of a segment's best block
-      rank = position - blocks.gather_segments(first, seg)[:, None]  # [B, K, T] at block ids
+      rank = _rank_in_segment(mean, is_rep, seg, stride=bs, span=self.max_segment)
       # Blocks never exceed their segment; a segment keeps floor(k_seg / b) of them.
       eff = jnp.minimum(bs, jnp.maximum(seg_size_tok, 1))[:, None]
       kept_block = is_rep[:, None] & (rank < alloc_tok // eff)
@@ -168,3 +161,35 @@ class SABlock(SnapKV):
       keeps.append(keep)
       retained.append(blocks.per_segment_sum(jnp.where(keep, guided, 0.0), seg))
     return jnp.stack(keeps), jnp.stack(retained)
+
+
+def _rank_in_segment(mean: jax.Array, is_rep: jax.Array, seg: jax.Array, *, stride: int,
+                     span: int) -> jax.Array:
+  """Rank of each block among its segment's blocks, best mean first (ties: earlier first).
+
+  A segment's blocks start ``stride`` tokens apart and a segment spans at most
+  ``span`` tokens (``max_segment``), so a block only meets the few block starts
+  within ``span`` of it: counting the better ones there, shift by shift, gives
+  the rank without sorting the prompt (a sort per block size was most of
+  SABlock's cost on a CPU).
+
+  Args:
+    mean: [B, K, T] block means at block starts.
+    is_rep: [B, T] bool, token starts a block of the compressible prefix.
+    seg: [B, T] segment ids.
+
+  Returns:
+    [B, K, T] int32 rank, meaningful at block starts.
+  """
+  t = mean.shape[-1]
+  idx = jnp.arange(t)
+
+  def count_better(m, rank):
+    d = m * stride
+    later = (jnp.roll(seg, -d, -1) == seg) & jnp.roll(is_rep, -d, -1) & (idx + d < t)
+    earlier = (jnp.roll(seg, d, -1) == seg) & jnp.roll(is_rep, d, -1) & (idx >= d)
+    rank += (later[:, None] & (jnp.roll(mean, -d, -1) > mean)).astype(jnp.int32)
+    return rank + (earlier[:, None] & (jnp.roll(mean, d, -1) >= mean)).astype(jnp.int32)
+
+  return jax.lax.fori_loop(1, min(-(-span // stride), t), count_better,
+                           jnp.zeros(mean.shape, jnp.int32))
