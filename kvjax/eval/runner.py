@@ -1,4 +1,4 @@
-"""Runs samples × policies × budgets through ``kvjax.generate`` into results.jsonl.
+"""Runs samples × policies × budgets through ``kvjax.generate_each`` into results.jsonl.
 
 One JSON row per (sample, policy, budget): what was asked, what came back,
 its score, the timings and the KV bytes allocated. A sample's runs share its
@@ -155,7 +155,7 @@ def run(cfg: EvalConfig, out: str | pathlib.Path, *, progress: bool = True,
       rows.append(done[row_key(row)])
     else:
       jobs.append((row, policy, fields, budget, sample))
-  # A sample's runs share one prompt forward (``kvjax.generation.generate_each``).
+  # A sample's runs share one prompt forward (``kvjax.generate_each``).
   # Grouped by the sample object itself: dataset rows may share (or lack) an id.
   by_sample: dict[int, list] = {}
   for job in jobs:
@@ -189,9 +189,9 @@ def _row_head(cfg, policy, fields, budget, sample: Sample) -> dict:
 
 def _generate(lm, cfg: EvalConfig, runs, sample: Sample):
   """Yields each run's result fields for one sample."""
-  from kvjax import generation
+  import kvjax
   tok = lm.tokenizer
-  results = generation.generate_each(
+  results = kvjax.generate_each(
       lm, [tok.encode(sample.context)], runs, questions=[tok.encode(sample.question)],
       query_aware=cfg.query_aware, max_new_tokens=cfg.max_new_tokens or sample.max_new_tokens,
       backend=cfg.backend, page_size=cfg.page_size, prefill_chunk=cfg.prefill_chunk)
