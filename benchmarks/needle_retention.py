@@ -23,10 +23,11 @@ import pathlib
 
 from absl import app
 from absl import flags
-import numpy as np
 
 import kvjax
 from kvjax import policies
+from kvjax.eval.retention import answer_span
+from kvjax.eval.retention import retention
 from kvjax.tasks import niah
 
 FLAGS = flags.FLAGS
@@ -39,27 +40,6 @@ flags.DEFINE_list("depths", ["0.3", "0.7"], "Needle depths.")
 flags.DEFINE_list("haystacks", ["natural", "repeat"], "Haystack kinds.")
 flags.DEFINE_integer("window", 16, "Observation window of the window-scored policies.")
 flags.DEFINE_string("out", "results/needle_retention", "Output folder.")
-
-
-def answer_span(tokenizer, context: str, answer: str) -> np.ndarray:
-  """Token indices of ``context`` that overlap the answer's characters."""
-  encoding = tokenizer.backend.encode(context, add_special_tokens=False)
-  if list(encoding.ids) != tokenizer.encode(context):
-    raise ValueError("the tokenizer's offsets do not match its encode()")
-  start = context.index(answer)
-  stop = start + len(answer)
-  return np.array([i for i, (a, b) in enumerate(encoding.offsets) if a < stop and b > start])
-
-
-def retention(kept_positions: np.ndarray, span: np.ndarray) -> tuple[float, float]:
-  """(mean fraction of ``span`` kept, fraction of heads keeping all of it).
-
-  Args:
-    kept_positions: [L, K, S] original positions per slot (-1 = empty).
-    span: the answer's token positions.
-  """
-  held = np.array([[np.isin(span, head).mean() for head in layer] for layer in kept_positions])
-  return float(held.mean()), float((held == 1).mean())
 
 
 def main(argv):

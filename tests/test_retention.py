@@ -1,18 +1,14 @@
-"""The needle-retention diagnostic: the answer's token span and what a cache keeps of it."""
-
-import pathlib
-import sys
+"""kvjax.eval.retention: the answer's token span and what a cache keeps of it."""
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-import needle_retention  # pylint: disable=g-import-not-at-top,wrong-import-position
+from kvjax.eval import retention
 
 
 def test_answer_span_covers_exactly_the_answer(smollm2_lm):
   tok = smollm2_lm.tokenizer
   context = "Filler words here. The pass key is 36432. Remember it. More filler."
-  span = needle_retention.answer_span(tok, context, "36432")
+  span = retention.answer_span(tok, context, "36432")
   ids = tok.encode(context)
   # The span's tokens spell the answer (a leading space at most), and are contiguous.
   assert tok.decode([ids[i] for i in span]).strip() == "36432"
@@ -27,6 +23,6 @@ def test_retention_by_hand():
   kept[0, 1, :2] = [10, 40]  # one of three
   kept[1, 0, :4] = [12, 11, 5, 10]  # whole, out of order
   # kept[1, 1] holds nothing
-  mean_kept, whole = needle_retention.retention(kept, span)
+  mean_kept, whole = retention.retention(kept, span)
   assert np.isclose(mean_kept, (1 + 1 / 3 + 1 + 0) / 4)
   assert whole == 0.5
