@@ -77,7 +77,7 @@ flags.DEFINE_string("policy", None, "Internal: the child's policy.")
 flags.DEFINE_string("prompt_file", None, "Internal: the child's prompt (JSON).")
 FLAGS = flags.FLAGS
 
-ROW_MARK = "VS_peers.PRESSES_ROW "  # prefix of the child's JSON line on stdout
+ROW_MARK = "VS_KVPRESS_ROW "  # prefix of the child's JSON line on stdout
 WARMUP_TOKENS = 512  # the short warm-up prompt
 MIB = 2**20
 # What makes a row: configurations already in results.jsonl are not run again.

@@ -358,7 +358,11 @@ def _record(params, buffers, tokens, lengths, *, graphdef, block):
 
 def _store(params, cache, recorded, tokens, lengths, *, graphdef, policy, budget, budgets,
            backend):
-  """Stores what the policy keeps of a recorded prompt (``_record``) in every layer."""
+  """Stores what the policy keeps of a recorded prompt (``_record``) in every layer.
+
+  Takes (and ignores) params so that, like every program here, the cache is
+  argument 1, the one ``_compiled`` donates.
+  """
   del params, graphdef
   with backend_lib.use(backend):
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)

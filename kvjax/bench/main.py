@@ -23,9 +23,8 @@ import sys
 from absl import flags
 
 from kvjax import cli
-
-from kvjax.bench import runner
 from kvjax.bench import report
+from kvjax.bench import runner
 
 _D = runner.BenchConfig()
 FLAGS = flags.FLAGS
