@@ -216,22 +216,32 @@ def extend_attention(
   check_array("lengths", lengths, "[B]", (q.shape[0],), "int")
   b, c, n, h = q.shape
   kh = k.shape[2]
+  g = n // kh
   table, cached = cache.layer_view(layer)
   keys = gather_pages(cache.k_pages, table).astype(jnp.float32)  # [B, K, S, H]
   values = gather_pages(cache.v_pages, table).astype(jnp.float32)
-  qg = q.astype(jnp.float32).reshape(b, c, kh, n // kh, h) * (h ** -0.5)
-  old = jnp.einsum("bckgh,bksh->bkgcs", qg, keys)
-  old = jnp.where((jnp.arange(keys.shape[2]) < cached[..., None])[:, :, None, None, :], old,
-                  -jnp.inf)
+  # A KV head's G query heads are folded into the rows ([B, K, G*C, H]), so each
+  # product is one batched matmul over (B, K) with no transpose: with the query
+  # heads as an axis of their own this took 25x as long on a CPU.
+  qg = (q.astype(jnp.float32) * (h ** -0.5)).reshape(b, c, kh, g, h).transpose(
+      0, 2, 3, 1, 4).reshape(b, kh, g * c, h)
+  chunk_k = jnp.swapaxes(k.astype(jnp.float32), 1, 2)  # [B, K, C, H]
+  chunk_v = jnp.swapaxes(v.astype(jnp.float32), 1, 2)
+  filled = jnp.arange(keys.shape[2]) < cached[..., None]  # [B, K, S]
+  old = jnp.where(filled[:, :, None], jnp.einsum("bkmh,bksh->bkms", qg, keys), -jnp.inf)
   # Slots past a head's length may hold anything (another sequence's page 0 for
   # absent pages): a zero weight would not cancel a NaN or Inf value there.
-  values = jnp.where((jnp.arange(keys.shape[2]) < cached[..., None])[..., None], values, 0.0)
-  new = jnp.einsum("bckgh,bskh->bkgcs", qg, k.astype(jnp.float32))
-  new = jnp.where(jnp.tril(jnp.ones((c, c), bool)), new, -jnp.inf)
-  weights = jax.nn.softmax(jnp.concatenate([old, new], axis=-1), axis=-1)
-  s = keys.shape[2]
-  out = (jnp.einsum("bkgcs,bksh->bckgh", weights[..., :s], values)
-         + jnp.einsum("bkgcs,bskh->bckgh", weights[..., s:], v.astype(jnp.float32)))
+  values = jnp.where(filled[..., None], values, 0.0)
+  causal = jnp.tile(jnp.tril(jnp.ones((c, c), bool)), (g, 1))  # [G*C, C]
+  new = jnp.where(causal, jnp.einsum("bkmh,bkch->bkmc", qg, chunk_k), -jnp.inf)
+  # One softmax over [old, new] without concatenating them; each row sees its
+  # own token, so the max is finite.
+  top = jnp.maximum(old.max(-1), new.max(-1))[..., None]
+  p_old, p_new = jnp.exp(old - top), jnp.exp(new - top)
+  out = (jnp.einsum("bkms,bksh->bkmh", p_old, values)
+         + jnp.einsum("bkmc,bkch->bkmh", p_new, chunk_v))
+  out = out / (p_old.sum(-1) + p_new.sum(-1))[..., None]
+  out = out.reshape(b, kh, g, c, h).transpose(0, 3, 1, 2, 4)  # [B, C, K, G, H]
   valid = jnp.arange(c)[None, :] < lengths[:, None]  # [B, C]
   slots = jnp.where(valid[:, None, :], cached[..., None] + jnp.arange(c), EMPTY)  # [B, K, C]
   cache = cache.set_lengths(layer, cached + lengths[:, None])
