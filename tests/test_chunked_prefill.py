@@ -22,6 +22,38 @@ def _dense_attention(q, k, v):
   return np.einsum("ncs,snh->cnh", jax.nn.softmax(logits, -1), v)
 
 
+def test_extend_attention_equals_dense_attention_over_cache_and_chunk():
+  """Two sequences with different cached lengths and chunk lengths, G = 3, and
+  NaN in every pool slot no head has filled: each valid chunk query sees its
+  head's cached entries and the chunk up to itself, as dense softmax does."""
+  rng = np.random.default_rng(1)
+  b, c, n, kh, h = 2, 8, 6, 2, 8
+  cached, chunk = [13, 5], [8, 3]
+  cache = PagedKVCache.create(batch_size=b, capacity=32, num_layers=1, num_kv_heads=kh,
+                              head_dim=h, page_size=4)
+  cache = cache.replace(k_pages=jnp.full_like(cache.k_pages, jnp.nan),
+                        v_pages=jnp.full_like(cache.v_pages, jnp.nan))
+  old_k = rng.normal(size=(b, 13, kh, h)).astype(np.float32)
+  old_v = rng.normal(size=(b, 13, kh, h)).astype(np.float32)
+  cache, _ = attention.extend_attention(
+      cache, 0, jnp.zeros((b, 13, n, h)), jnp.asarray(old_k), jnp.asarray(old_v),
+      jnp.broadcast_to(jnp.arange(13, dtype=jnp.int32), (b, 13)), jnp.asarray(cached, jnp.int32))
+  q = rng.normal(size=(b, c, n, h)).astype(np.float32)
+  k = rng.normal(size=(b, c, kh, h)).astype(np.float32)
+  v = rng.normal(size=(b, c, kh, h)).astype(np.float32)
+  positions = jnp.asarray(np.array(cached)[:, None] + np.arange(c), jnp.int32)
+  cache, out = attention.extend_attention(cache, 0, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                          positions, jnp.asarray(chunk, jnp.int32))
+  out = np.asarray(out)
+  np.testing.assert_array_equal(np.asarray(cache.lengths)[:, 0], [[21, 21], [8, 8]])
+  for i in range(b):
+    for t in range(chunk[i]):
+      keys = np.concatenate([old_k[i, :cached[i]], k[i, :t + 1]])
+      values = np.concatenate([old_v[i, :cached[i]], v[i, :t + 1]])
+      ref = _dense_attention(q[i, t:t + 1], keys, values)
+      np.testing.assert_allclose(out[i, t], ref[0], atol=1e-5)
+
+
 def test_two_chunks_keep_the_global_top_norms_and_attend_to_what_is_kept():
   """KNorm's score does not depend on context, so compressing chunk by chunk keeps
   exactly the budget of lowest-norm keys over the whole prompt, and chunk 2
