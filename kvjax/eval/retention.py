@@ -15,9 +15,9 @@ def answer_span(tokenizer, context: str, answer: str) -> np.ndarray:
   encoding = tokenizer.backend.encode(context, add_special_tokens=False)
   if list(encoding.ids) != tokenizer.encode(context):
     raise ValueError("the tokenizer's offsets do not match its encode()")
-  if answer not in context:
+  start = context.find(answer)
+  if start < 0:
     raise ValueError(f"answer {answer!r} is not in the context")
-  start = context.index(answer)
   stop = start + len(answer)
   return np.array([i for i, (a, b) in enumerate(encoding.offsets) if a < stop and b > start])
 
