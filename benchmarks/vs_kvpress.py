@@ -68,6 +68,9 @@ flags.DEFINE_enum("warmup", "short", ["short", "full"],
                   "Untimed first run: at a short prompt, or the real configuration (then "
                   "kvjax's peak RSS excludes compiling; twice the time).")
 flags.DEFINE_bool("query_aware", False, "Compress the question with the context.")
+flags.DEFINE_bool("scan_layers", True,
+                  "kvjax's layers stacked under lax.scan; --noscan_layers gives each layer its "
+                  "own weights and unrolls them (faster decode steps, slower compilation).")
 flags.DEFINE_string("omp_wait_policy", "PASSIVE",
                     "OMP_WAIT_POLICY of the kvpress process ('' = as in the environment).")
 flags.DEFINE_string("out", "results/vs_kvpress", "Output folder.")
@@ -133,7 +136,7 @@ def _kvjax_side(prompt):
   """Runs one configuration on kvjax; returns the measured fields."""
   import jax
   import kvjax
-  lm = kvjax.load(prompt["model_path"])
+  lm = kvjax.load(prompt["model_path"], scan_layers=FLAGS.scan_layers)
   name = FLAGS.policy
   policy = _policy(name)
 
@@ -159,7 +162,8 @@ def _kvjax_side(prompt):
       compile_s=compile_s, kv_bytes=stats[0].kv_bytes, kv_bytes_end=stats[0].kv_bytes,
       baseline_rss_bytes=baseline, peak_rss_bytes=peak,
       peak_rss_kind="VmHWM of the timed runs" if reset else "ru_maxrss (process lifetime)",
-      token_ids=runs[0][1], backend=f"jax {jax.default_backend()} ({stats[0].backend} kernels)")
+      token_ids=runs[0][1], backend=f"jax {jax.default_backend()} ({stats[0].backend} kernels, "
+                                     f"layers {'scanned' if lm.scan_layers else 'unrolled'})")
 
 
 def _cache_bytes(cache):
@@ -326,7 +330,7 @@ def _run_child(side, policy, prompt_path):
           f"--prompt_file={prompt_path}", f"--budget={FLAGS.budget}",
           f"--decode_steps={FLAGS.decode_steps}", f"--repeats={FLAGS.repeats}",
           f"--window={FLAGS.window}", f"--warmup={FLAGS.warmup}",
-          f"--query_aware={FLAGS.query_aware}"]
+          f"--query_aware={FLAGS.query_aware}", f"--scan_layers={FLAGS.scan_layers}"]
   env = dict(os.environ, HF_HUB_OFFLINE="1", TQDM_DISABLE="1", TRANSFORMERS_VERBOSITY="error")
   if side == "kvpress" and FLAGS.omp_wait_policy:
     # torch's OpenMP threads busy-wait at each op's barrier by default: on a

@@ -43,6 +43,9 @@ flags.DEFINE_enum("fill", _D.fill, ["auto", "prompt", "synthetic"],
                   "(a prompt where it fits the model's context).")
 flags.DEFINE_integer("repeats", _D.repeats, "Timed runs after the warm-up (the best counts).")
 flags.DEFINE_integer("window", _D.window, "Observation window of window-scored policies.")
+flags.DEFINE_bool("scan_layers", _D.scan_layers,
+                  "Stacked layers under lax.scan; --noscan_layers gives each layer its own "
+                  "weights and unrolls them: faster decode steps, slower compilation.")
 flags.DEFINE_bool("isolate", True, "Run each configuration in its own process (own peak memory).")
 flags.DEFINE_string("out", "results/bench", "Output folder.")
 flags.DEFINE_string("child", None, "Internal: run one configuration (JSON) and print its row.")
@@ -75,7 +78,8 @@ def configs() -> list[runner.BenchConfig]:
       model=FLAGS.model, policy=p, budget=None if p == "full" else FLAGS.budget,
       context_length=n, batch_size=FLAGS.batch_size, decode_steps=FLAGS.decode_steps,
       prefill_chunk=FLAGS.prefill_chunk if p != "full" else 0, backend=FLAGS.backend,
-      fill=FLAGS.fill, repeats=FLAGS.repeats, window=FLAGS.window)
+      fill=FLAGS.fill, repeats=FLAGS.repeats, window=FLAGS.window,
+      scan_layers=FLAGS.scan_layers)
       for n in _ints("context_lengths") for p in FLAGS.policies]
 
 
@@ -113,7 +117,7 @@ def main(argv) -> None:
         else:
           if lm is None:
             import kvjax
-            lm = kvjax.load(cfg.model)
+            lm = kvjax.load(cfg.model, scan_layers=cfg.scan_layers)
           row = runner.measure(cfg, lm)
       except (ValueError, RuntimeError) as e:
         cli.fail(str(e))

@@ -39,6 +39,7 @@ class BenchConfig:
   repeats: int = 3
   window: int = 16  # observation window of window-scored policies (0 = policy default)
   page_size: int = 16
+  scan_layers: bool = True  # False: per-layer weights, layers unrolled (kvjax.load)
 
 
 def peak_rss_bytes() -> int:
@@ -56,7 +57,7 @@ def measure(cfg: BenchConfig, lm=None) -> dict:
   """Runs one configuration; returns its row (timings, bytes, how the cache was filled)."""
   import kvjax
   if lm is None:
-    lm = kvjax.load(cfg.model)
+    lm = kvjax.load(cfg.model, scan_layers=cfg.scan_layers)
   fits = cfg.context_length + cfg.decode_steps <= lm.config.max_position_embeddings
   fill = cfg.fill if cfg.fill != "auto" else ("prompt" if fits else "synthetic")
   if fill == "prompt" and not fits:

