@@ -11,7 +11,7 @@ from kvjax.bench import runner
 
 FIELDS = ("model", "policy", "budget", "context_length", "batch_size", "decode_steps", "fill",
           "backend", "decode_ms_per_token", "decode_tokens_per_s", "prefill_s", "kv_bytes",
-          "peak_rss_bytes", "memory_note")
+          "peak_rss_bytes", "memory_note", "scan_layers")
 
 
 @pytest.mark.parametrize("fill", ["prompt", "synthetic"])
@@ -54,6 +54,17 @@ def test_cli_writes_rows_summary_and_plots(tmp_path):
   assert sorted(p.name for p in tmp_path.iterdir()) == [
       "decode_ms_per_token.png", "peak_memory.png", "results.jsonl", "summary.md"]
   assert "## Decode ms per token" in proc.stdout and "| snapkv @ 32 |" in proc.stdout
+
+
+def test_cli_noscan_layers_loads_the_unrolled_model(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, "-m", "kvjax.bench", "--policies=streaming_llm", "--budget=32",
+       "--context_lengths=96", "--decode_steps=2", "--repeats=1", "--isolate=false",
+       "--noscan_layers", f"--out={tmp_path}"], capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  (row,) = [json.loads(l) for l in (tmp_path / "results.jsonl").read_text().splitlines()]
+  assert row["scan_layers"] is False and row["decode_ms_per_token"] > 0
+  assert "layers unrolled" in (tmp_path / "summary.md").read_text()
 
 
 @pytest.mark.parametrize("args, message", [

@@ -76,7 +76,7 @@ def measure(cfg: BenchConfig, lm=None) -> dict:
       "model": cfg.model, "policy": cfg.policy, "policy_fields": fields,
       "budget": cfg.budget, "context_length": cfg.context_length,
       "batch_size": cfg.batch_size, "decode_steps": steps, "prefill_chunk": cfg.prefill_chunk,
-      "fill": fill, "backend": kvjax.backend.resolve(cfg.backend),
+      "fill": fill, "backend": kvjax.backend.resolve(cfg.backend), "scan_layers": lm.scan_layers,
       "device": jax.devices()[0].platform,
       "decode_ms_per_token": 1e3 * decode_s / steps,
       "decode_tokens_per_s": cfg.batch_size * steps / decode_s,

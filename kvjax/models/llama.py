@@ -4,10 +4,11 @@ Two layouts of the layers (``scan_layers``):
   True (default)  stacked along a leading L axis and run under ``jax.lax.scan``:
                   a 30-layer model compiles as fast as a 1-layer one.
   False           one module (and arrays) per layer, the layers unrolled. Each
-                  program compiles ~5x slower, but a scan step copies its
+                  program compiles ~7x slower, but a scan step copies its
                   layer's weight slice before the matmuls, and in a one-token
-                  decode step that copy costs as much as the matmuls (SmolLM2
-                  on a 2-core CPU: 66 -> 50 ms per step). For long decodes.
+                  decode step that copy costs about as much as the matmuls
+                  (SmolLM2 on a 2-core CPU, budget 1024: 69 -> 51 ms per
+                  step). For long decodes.
 
 Attention is delegated to an ``attend`` function, which is how the paged cache
 (kvjax.cache) plugs in:
