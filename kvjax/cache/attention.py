@@ -39,7 +39,7 @@ SelectFn = Callable[..., tuple[jax.Array, jax.Array | None]]
 
 
 def causal_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, block: int = 256
+    q: jax.Array, k: jax.Array, v: jax.Array, *, block: int = 512
 ) -> jax.Array:
   """Causal GQA attention over a right-padded prompt, blockwise (flash-style).
 
@@ -140,7 +140,7 @@ def prefill_attention(
     *,
     tokens: jax.Array | None = None,
     select: SelectFn = _keep_all_select,
-    block: int = 256,
+    block: int = 512,
 ) -> tuple[PagedKVCache, jax.Array]:
   """Attends over a prompt and stores what ``select`` keeps.
 
