@@ -30,6 +30,8 @@ flags.DEFINE_integer("max_new_tokens", 16, "Tokens to generate.")
 flags.DEFINE_float("temperature", 0.0, "0 for greedy decoding.")
 flags.DEFINE_integer("page_size", 16, "Slots per cache page.")
 flags.DEFINE_enum("backend", "auto", ["auto", "xla", "pallas"], "Paged attention implementation.")
+flags.DEFINE_bool("scan_layers", True, "Stacked layers under lax.scan; --noscan_layers gives each "
+                  "layer its own weights and unrolls them: faster decode steps, slower compilation.")
 
 
 class UsageError(Exception):
@@ -54,7 +56,7 @@ def _prompt(lm):
 def _run() -> None:
   import kvjax
   try:
-    lm = kvjax.load(FLAGS.model)
+    lm = kvjax.load(FLAGS.model, scan_layers=FLAGS.scan_layers)
     prompt, answer = _prompt(lm)
     result = kvjax.generate(
         lm, [prompt], policy=FLAGS.policy, budget=FLAGS.budget,
@@ -68,7 +70,8 @@ def _run() -> None:
   print(f"answer       {result.texts[0].strip()!r}")
   if answer is not None:
     print(f"expected     {answer!r}  ({'correct' if answer in result.texts[0] else 'wrong'})")
-  print(f"policy       {s.policy}, budget {s.budget}, backend {s.backend}")
+  print(f"policy       {s.policy}, budget {s.budget}, backend {s.backend}, layers "
+        f"{'scanned' if lm.scan_layers else 'unrolled'}")
   print(f"kv cache     {s.kv_bytes / 2**20:.1f} MiB allocated")
   print(f"prefill      {s.prefill_s:.3f} s ({s.prompt_tokens[0] / s.prefill_s:.0f} tokens/s)")
   print(f"decode       {s.generated_tokens[0]} tokens in {s.decode_s:.3f} s "

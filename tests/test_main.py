@@ -17,6 +17,12 @@ def test_answers_a_passkey_question():
     assert field in out.stdout
 
 
+def test_unrolled_layers_answer_the_same_question():
+  out = _run("--context_tokens=600", "--max_new_tokens=12", "--noscan_layers")
+  assert out.returncode == 0, out.stderr
+  assert "(correct)" in out.stdout and "layers unrolled" in out.stdout
+
+
 def test_bad_input_exits_2_with_one_line(tmp_path):
   for flags, message in [
       (["--prompt_file", str(tmp_path / "missing.txt")], "does not exist"),
