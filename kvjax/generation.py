@@ -105,7 +105,7 @@ def generate_each(
     page_size: int = 16,
     backend: str = "auto",
     pad_multiple: int = 64,
-    attention_block: int = 512,
+    attention_block: int = attention_lib.PREFILL_BLOCK,
     prefill_chunk: int = 0,
 ) -> Iterator[GenerationResult]:
   """Generates for one batch of prompts under each (policy, budget) in turn.

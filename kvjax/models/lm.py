@@ -51,7 +51,7 @@ class LanguageModel:
   @property
   def scan_layers(self) -> bool:
     """Whether the layers are stacked and scanned (else one module per layer, unrolled)."""
-    return self.module.scan_layers
+    return 0 not in self.params["layers"]  # unrolled layers are keyed 0..L-1
 
   def forward(self, token_ids) -> jax.Array:
     """Full causal attention, no cache: token_ids [B, T] -> float32 logits [B, T, V]."""
