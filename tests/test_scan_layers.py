@@ -18,14 +18,9 @@ CONFIG = kvjax.LlamaConfig(
     rope_theta=500.0)
 
 
-def _canonical(lm):
-  """The loaders' weights (norms without '/scale', layers stacked [L, ...]) of a scanned model."""
-  flat = lm_lib._flatten(nnx.to_pure_dict(lm.params))
-  return {name.removesuffix("/scale"): np.asarray(value) for name, value in flat.items()}
-
-
 def _unrolled_twin(lm):
-  graphdef, params = lm_lib.build_params(lm.config, _canonical(lm), scan_layers=False)
+  graphdef, params = lm_lib.build_params(lm.config, lm_lib.canonical_weights(lm),
+                                         scan_layers=False)
   return lm_lib.LanguageModel(lm.config, graphdef, params, None, "unrolled")
 
 
@@ -85,8 +80,28 @@ class ScanLayersTest(absltest.TestCase):
     scanned, unrolled = scratch(self.scanned), scratch(self.unrolled)
     self.assertLess(unrolled, 1.25 * scanned, (unrolled, scanned))
 
+  def test_canonical_weights_are_the_loaders_and_rebuild_both_layouts(self):
+    from kvjax.models.gguf_loader import canonical_shapes
+    weights = lm_lib.canonical_weights(self.scanned)
+    self.assertEqual({k: v.shape for k, v in weights.items()}, canonical_shapes(CONFIG))
+    for name, array in lm_lib.canonical_weights(self.unrolled).items():
+      np.testing.assert_array_equal(array, weights[name], err_msg=name)
+    # q, k, v sit side by side in wqkv, in that order.
+    wqkv = nnx.to_pure_dict(self.scanned.params)["layers"]["wqkv"]
+    np.testing.assert_array_equal(wqkv[..., 96:128], weights["layers/wk"])
+    _, rebuilt = lm_lib.build_params(CONFIG, weights)
+    jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(rebuilt),
+                 nnx.to_pure_dict(self.scanned.params))
+
+  def test_build_params_names_the_part_of_a_joined_weight(self):
+    weights = lm_lib.canonical_weights(self.scanned)
+    weights["layers/wk"] = weights["layers/wk"][..., :-1]
+    for scan_layers in (True, False):
+      with self.assertRaisesRegex(ValueError, r"layers/wk \(8, 64, 31\)"):
+        lm_lib.build_params(CONFIG, weights, scan_layers=scan_layers)
+
   def test_build_params_checks_the_layer_axis(self):
-    weights = _canonical(self.scanned)
+    weights = lm_lib.canonical_weights(self.scanned)
     weights["layers/wq"] = weights["layers/wq"][:2]
     with self.assertRaisesRegex(ValueError, "lead with L=8"):
       lm_lib.build_params(CONFIG, weights, scan_layers=False)

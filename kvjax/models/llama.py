@@ -60,29 +60,29 @@ class DecoderLayer(nnx.Module):
     d, n, k, h, f = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
     self.config = c
     self.attn_norm = RMSNorm(d, c.rms_norm_eps, dtype=dtype)
-    self.wq = _dense(rngs, d, n * h, dtype)
-    self.wk = _dense(rngs, d, k * h, dtype)
-    self.wv = _dense(rngs, d, k * h, dtype)
+    # q, k and v side by side in one matrix, and gate beside up: a layer's
+    # weights are read in 4 products instead of 7. On a 2-core CPU a one-token
+    # SmolLM2 forward took 10-12% less time. Checkpoints keep the parts apart
+    # (kvjax.models.lm.build_params joins them).
+    self.wqkv = _dense(rngs, d, (n + 2 * k) * h, dtype)
     self.wo = _dense(rngs, n * h, d, dtype)
     if c.attention_bias:
-      self.bq = nnx.Param(jnp.zeros((n * h,), dtype))
-      self.bk = nnx.Param(jnp.zeros((k * h,), dtype))
-      self.bv = nnx.Param(jnp.zeros((k * h,), dtype))
+      self.bqkv = nnx.Param(jnp.zeros(((n + 2 * k) * h,), dtype))
     self.mlp_norm = RMSNorm(d, c.rms_norm_eps, dtype=dtype)
-    self.w_gate = _dense(rngs, d, f, dtype)
-    self.w_up = _dense(rngs, d, f, dtype)
+    self.w_gate_up = _dense(rngs, d, 2 * f, dtype)
     self.w_down = _dense(rngs, f, d, dtype)
 
   def qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
     """x [B, T, D] -> q [B, T, N, H], k and v [B, T, K, H], RoPE applied."""
     c = self.config
     b, t, _ = x.shape
-    q, k, v = x @ self.wq[...], x @ self.wk[...], x @ self.wv[...]
+    qkv = x @ self.wqkv[...]
     if c.attention_bias:
-      q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
-    q = q.reshape(b, t, c.num_heads, c.head_dim)
-    k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
-    v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
+      qkv = qkv + self.bqkv[...]
+    q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    q = qkv[..., :q_dim].reshape(b, t, c.num_heads, c.head_dim)
+    k = qkv[..., q_dim:q_dim + kv_dim].reshape(b, t, c.num_kv_heads, c.head_dim)
+    v = qkv[..., q_dim + kv_dim:].reshape(b, t, c.num_kv_heads, c.head_dim)
     return rope_lib.apply(q, cos, sin), rope_lib.apply(k, cos, sin), v
 
   def __call__(self, x, cos, sin, state, layer, attend: AttendFn):
@@ -90,8 +90,8 @@ class DecoderLayer(nnx.Module):
     q, k, v = self.qkv(self.attn_norm(x), cos, sin)
     state, attn = attend(state, layer, q, k, v)
     x = x + attn.reshape(b, t, -1) @ self.wo[...]
-    h = self.mlp_norm(x)
-    x = x + (jax.nn.silu(h @ self.w_gate[...]) * (h @ self.w_up[...])) @ self.w_down[...]
+    gate, up = jnp.split(self.mlp_norm(x) @ self.w_gate_up[...], 2, axis=-1)
+    x = x + (jax.nn.silu(gate) * up) @ self.w_down[...]
     return x, state
 
 
@@ -153,7 +153,10 @@ class Llama(nnx.Module):
   def logits(self, hidden: jax.Array) -> jax.Array:
     """hidden [..., D] -> float32 logits [..., V]."""
     if self.config.tie_embeddings:
-      w = self.embed[...].T
-    else:
-      w = self.lm_head[...]
-    return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
+      # Contract the embedding's own D axis. Written as embed.T, XLA:CPU
+      # transposed the [V, D] matrix inside the product: 7.7 ms of a SmolLM2
+      # decode step on a 2-core CPU, against 6.3 ms in this form.
+      return jnp.einsum("...d,vd->...v", hidden, self.embed[...],
+                        preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,dv->...v", hidden, self.lm_head[...],
+                      preferred_element_type=jnp.float32)

@@ -16,9 +16,11 @@ from kvjax.cache.attention import causal_attention
 from kvjax.models.config import LlamaConfig
 from kvjax.models.llama import Llama
 
-# Canonical weight names (what the checkpoint loaders produce) whose NNX
-# parameter sits one level deeper, under the norm's `scale`.
-_NORMS = ("final_norm", "layers/attn_norm", "layers/mlp_norm")
+# Module parameters that hold several canonical weights (the names the
+# checkpoint loaders produce) side by side on their last axis.
+_FUSED = {"layers/wqkv": ("layers/wq", "layers/wk", "layers/wv"),
+          "layers/bqkv": ("layers/bq", "layers/bk", "layers/bv"),
+          "layers/w_gate_up": ("layers/w_gate", "layers/w_up")}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -79,7 +81,9 @@ def build_params(config: LlamaConfig, weights: Mapping[str, np.ndarray], dtype=j
   """Canonical weights (see the loaders) -> (graphdef, params) of a Llama module.
 
   The canonical ``layers/...`` weights are stacked ([L, ...]); with
-  ``scan_layers=False`` layer i's arrays become ``layers/i/...``.
+  ``scan_layers=False`` layer i's arrays become ``layers/i/...``. Weights the
+  module holds side by side are joined on their last axis (``_FUSED``: q, k, v
+  into ``wqkv``; gate and up into ``w_gate_up``).
 
   Raises:
     ValueError: a weight is missing, unexpected, or has the wrong shape.
@@ -88,33 +92,76 @@ def build_params(config: LlamaConfig, weights: Mapping[str, np.ndarray], dtype=j
       lambda: Llama(config, dtype=dtype, rngs=nnx.Rngs(0), scan_layers=scan_layers))
   graphdef, state = nnx.split(abstract)
   expected = _flatten(nnx.to_pure_dict(state))
-  given = {}
-  for name, array in weights.items():
-    name = name + "/scale" if name in _NORMS else name
-    if scan_layers or not name.startswith("layers/"):
-      given[name] = array
-      continue
-    if np.ndim(array) == 0 or np.shape(array)[0] != config.num_layers:
-      raise ValueError(f"weight {name!r} has shape {np.shape(array)}: stacked layer weights "
-                       f"lead with L={config.num_layers}")
-    for i in range(config.num_layers):
-      given[name.replace("layers/", f"layers/{i}/", 1)] = array[i]
-  missing = sorted(set(expected) - set(given))
-  extra = sorted(set(given) - set(expected))
+  parts_of = {path: _parts(_canonical_name(path)) for path in expected}
+  wanted = {name for parts in parts_of.values() for name in parts}
+  missing, extra = sorted(wanted - set(weights)), sorted(set(weights) - wanted)
   if missing or extra:
     raise ValueError(f"weights do not match the model: missing {missing}, unexpected {extra}")
+  for name, array in weights.items():
+    if name.startswith("layers/") and (np.ndim(array) == 0 or
+                                       np.shape(array)[0] != config.num_layers):
+      raise ValueError(f"weight {name!r} has shape {np.shape(array)}: stacked layer weights "
+                       f"lead with L={config.num_layers}")
   pure: dict = {}
   for path, spec in expected.items():
-    array = np.asarray(given[path])
+    parts = parts_of[path]
+    layer = _layer_of(path)
+    # Each part goes to the device on its own and is joined there: no host
+    # copy of a joined matrix beside the loader's arrays.
+    arrays = [jnp.asarray(weights[p] if layer is None else weights[p][layer], dtype)
+              for p in parts]
+    array = arrays[0] if len(arrays) == 1 else jnp.concatenate(arrays, axis=-1)
     if array.shape != spec.shape:
-      raise ValueError(f"weight {path!r} has shape {array.shape}, expected {spec.shape}")
+      got = ", ".join(f"{p} {np.shape(weights[p])}" for p in parts)
+      raise ValueError(f"weight {path!r} has shape {array.shape} (from {got}), "
+                       f"expected {spec.shape}")
     node = pure
     *parents, leaf = path.split("/")
     for p in parents:
       node = node.setdefault(p, {})
-    node[leaf] = jnp.asarray(array, dtype)
+    node[leaf] = array
   nnx.replace_by_pure_dict(state, pure)
   return graphdef, state
+
+
+def canonical_weights(lm: "LanguageModel") -> dict[str, np.ndarray]:
+  """The inverse of ``build_params``: a model's weights under the loaders' names, [L, ...] stacked."""
+  c = lm.config
+  q, kv, f = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+  widths = {"layers/wqkv": (q, kv), "layers/bqkv": (q, kv), "layers/w_gate_up": (f,)}
+  per_layer: dict[str, dict[int, np.ndarray]] = {}
+  joined = {}
+  for path, value in _flatten(nnx.to_pure_dict(lm.params)).items():
+    name, layer = _canonical_name(path), _layer_of(path)
+    if layer is None:
+      joined[name] = np.asarray(value)
+    else:
+      per_layer.setdefault(name, {})[layer] = np.asarray(value)
+  for name, layers in per_layer.items():
+    joined[name] = np.stack([layers[i] for i in range(len(layers))])
+  out = {}
+  for name, array in joined.items():
+    cuts = np.cumsum(widths.get(name, ()))
+    out.update(zip(_parts(name), np.split(array, cuts, axis=-1)))
+  return out
+
+
+def _canonical_name(path: str) -> str:
+  """A module parameter's path -> its canonical name: no layer index, no norm ``/scale``."""
+  head, *rest = path.split("/")
+  if head == "layers" and rest[0].isdigit():
+    rest = rest[1:]
+  return "/".join([head, *rest]).removesuffix("/scale")
+
+
+def _layer_of(path: str) -> int | None:
+  """The layer index of an unrolled layer's parameter (``layers/i/...``), else None."""
+  head, second, *_ = path.split("/") + [""]
+  return int(second) if head == "layers" and second.isdigit() else None
+
+
+def _parts(name: str) -> tuple[str, ...]:
+  return _FUSED.get(name, (name,))
 
 
 def init_random(config: LlamaConfig, seed: int = 0, dtype=jnp.float32,
