@@ -451,13 +451,20 @@ def _decode(params, cache, first_logits, next_pos, limit, rng, stops, temperatur
 
 def _sample(logits, key, temperature, top_k: int):
   """logits [B, V] -> token ids [B]; greedy where temperature == 0."""
-  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  scaled = logits / jnp.maximum(temperature, 1e-6)
-  if top_k:
-    kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
-    scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
-  sampled = jax.random.categorical(key, scaled).astype(jnp.int32)
-  return jnp.where(temperature > 0, sampled, greedy)
+
+  def greedy():
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+  def sampled():
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    if top_k:
+      kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
+      scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
+    return jax.random.categorical(key, scaled).astype(jnp.int32)
+
+  # One program serves both (temperature is traced); the branch not taken
+  # costs nothing, where a select would draw V Gumbel variates every step.
+  return jax.lax.cond(temperature > 0, sampled, greedy)
 
 
 # ------------------------------------------------------------------ compilation
