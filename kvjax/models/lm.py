@@ -88,12 +88,22 @@ def build_params(config: LlamaConfig, weights: Mapping[str, np.ndarray], dtype=j
   Raises:
     ValueError: a weight is missing, unexpected, or has the wrong shape.
   """
+  return _params_from(config, dict(weights), dtype, scan_layers)
+
+
+def _params_from(config: LlamaConfig, weights: dict, dtype, scan_layers: bool):
+  """``build_params``, consuming ``weights``.
+
+  A joined weight's parts leave the dict as they are copied in, so when the
+  dict holds the only references (``load``'s), each part's memory goes back
+  before the next is copied: loading peaks at one part above the weights.
+  """
   abstract = nnx.eval_shape(
       lambda: Llama(config, dtype=dtype, rngs=nnx.Rngs(0), scan_layers=scan_layers))
   graphdef, state = nnx.split(abstract)
   expected = _flatten(nnx.to_pure_dict(state))
-  parts_of = {path: _parts(_canonical_name(path)) for path in expected}
-  wanted = {name for parts in parts_of.values() for name in parts}
+  names = {_canonical_name(path) for path in expected}
+  wanted = {part for name in names for part in _parts(name)}
   missing, extra = sorted(wanted - set(weights)), sorted(set(weights) - wanted)
   if missing or extra:
     raise ValueError(f"weights do not match the model: missing {missing}, unexpected {extra}")
@@ -102,24 +112,35 @@ def build_params(config: LlamaConfig, weights: Mapping[str, np.ndarray], dtype=j
                                        np.shape(array)[0] != config.num_layers):
       raise ValueError(f"weight {name!r} has shape {np.shape(array)}: stacked layer weights "
                        f"lead with L={config.num_layers}")
+  sources = {}  # joined name -> its parts' shapes, for error messages
+  for name in sorted(names & set(_FUSED)):
+    parts = [np.asarray(weights[p]) for p in _FUSED[name]]
+    sources[name] = ", ".join(f"{p} {w.shape}" for p, w in zip(_FUSED[name], parts))
+    if len({w.shape[:-1] for w in parts}) != 1:
+      raise ValueError(f"{name} joins {sources[name]} on the last axis: the other axes differ")
+    joined = np.empty(parts[0].shape[:-1] + (sum(w.shape[-1] for w in parts),),
+                      np.result_type(*parts))
+    del parts
+    offset = 0
+    for p in _FUSED[name]:
+      part = weights.pop(p)
+      joined[..., offset:offset + part.shape[-1]] = part
+      offset += part.shape[-1]
+      del part
+    weights[name] = joined
   pure: dict = {}
   for path, spec in expected.items():
-    parts = parts_of[path]
-    layer = _layer_of(path)
-    # Each part goes to the device on its own and is joined there: no host
-    # copy of a joined matrix beside the loader's arrays.
-    arrays = [jnp.asarray(weights[p] if layer is None else weights[p][layer], dtype)
-              for p in parts]
-    array = arrays[0] if len(arrays) == 1 else jnp.concatenate(arrays, axis=-1)
-    if array.shape != spec.shape:
-      got = ", ".join(f"{p} {np.shape(weights[p])}" for p in parts)
-      raise ValueError(f"weight {path!r} has shape {array.shape} (from {got}), "
+    name, layer = _canonical_name(path), _layer_of(path)
+    array = weights[name] if layer is None else weights[name][layer]
+    if np.shape(array) != spec.shape:
+      origin = f" (joined from {sources[name]})" if name in sources else ""
+      raise ValueError(f"weight {path!r} has shape {np.shape(array)}{origin}, "
                        f"expected {spec.shape}")
     node = pure
     *parents, leaf = path.split("/")
     for p in parents:
       node = node.setdefault(p, {})
-    node[leaf] = array
+    node[leaf] = jnp.asarray(array, dtype)
   nnx.replace_by_pure_dict(state, pure)
   return graphdef, state
 
@@ -197,7 +218,8 @@ def load(name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype=jnp
     from kvjax.models.tokenizer import Tokenizer
     config, weights, metadata = gguf_loader.load_gguf(path)
     tokenizer = Tokenizer.from_gguf_metadata(metadata)
-  graphdef, params = build_params(config, weights, dtype, scan_layers)
+  # The loader's dict is handed over: its arrays are freed as they are joined.
+  graphdef, params = _params_from(config, weights, dtype, scan_layers)
   return LanguageModel(config, graphdef, params, tokenizer, str(path))
 
 
