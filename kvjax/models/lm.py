@@ -96,7 +96,7 @@ def _params_from(config: LlamaConfig, weights: dict, dtype, scan_layers: bool):
 
   A joined weight's parts leave the dict as they are copied in, so when the
   dict holds the only references (``load``'s), each part's memory goes back
-  before the next is copied: loading peaks at one part above the weights.
+  before the next is copied: loading peaks at most one part above the weights.
   """
   abstract = nnx.eval_shape(
       lambda: Llama(config, dtype=dtype, rngs=nnx.Rngs(0), scan_layers=scan_layers))
