@@ -102,7 +102,7 @@ def _params_from(config: LlamaConfig, weights: dict, dtype, scan_layers: bool):
       lambda: Llama(config, dtype=dtype, rngs=nnx.Rngs(0), scan_layers=scan_layers))
   graphdef, state = nnx.split(abstract)
   expected = _flatten(nnx.to_pure_dict(state))
-  names = {_canonical_name(path) for path in expected}
+  names = {_parse(path)[0] for path in expected}
   wanted = {part for name in names for part in _parts(name)}
   missing, extra = sorted(wanted - set(weights)), sorted(set(weights) - wanted)
   if missing or extra:
@@ -130,7 +130,7 @@ def _params_from(config: LlamaConfig, weights: dict, dtype, scan_layers: bool):
     weights[name] = joined
   pure: dict = {}
   for path, spec in expected.items():
-    name, layer = _canonical_name(path), _layer_of(path)
+    name, layer = _parse(path)
     array = weights[name] if layer is None else weights[name][layer]
     if np.shape(array) != spec.shape:
       origin = f" (joined from {sources[name]})" if name in sources else ""
@@ -153,7 +153,7 @@ def canonical_weights(lm: "LanguageModel") -> dict[str, np.ndarray]:
   per_layer: dict[str, dict[int, np.ndarray]] = {}
   joined = {}
   for path, value in _flatten(nnx.to_pure_dict(lm.params)).items():
-    name, layer = _canonical_name(path), _layer_of(path)
+    name, layer = _parse(path)
     if layer is None:
       joined[name] = np.asarray(value)
     else:
@@ -167,18 +167,18 @@ def canonical_weights(lm: "LanguageModel") -> dict[str, np.ndarray]:
   return out
 
 
-def _canonical_name(path: str) -> str:
-  """A module parameter's path -> its canonical name: no layer index, no norm ``/scale``."""
+def _parse(path: str) -> tuple[str, int | None]:
+  """A module parameter's path -> (canonical name, layer index or None).
+
+  The canonical name drops an unrolled layer's index (``layers/i/x`` ->
+  ``layers/x``) and a norm's ``/scale``; the index is None for stacked layers
+  and for parameters outside the layers.
+  """
   head, *rest = path.split("/")
+  layer = None
   if head == "layers" and rest[0].isdigit():
-    rest = rest[1:]
-  return "/".join([head, *rest]).removesuffix("/scale")
-
-
-def _layer_of(path: str) -> int | None:
-  """The layer index of an unrolled layer's parameter (``layers/i/...``), else None."""
-  head, second, *_ = path.split("/") + [""]
-  return int(second) if head == "layers" and second.isdigit() else None
+    layer, rest = int(rest[0]), rest[1:]
+  return "/".join([head, *rest]).removesuffix("/scale"), layer
 
 
 def _parts(name: str) -> tuple[str, ...]:
