@@ -87,21 +87,29 @@ def paged_attention_reference(
   g = n // k_heads
   keys = gather_pages(k_pages, page_table).astype(jnp.float32)  # [B, K, S, H]
   values = gather_pages(v_pages, page_table).astype(jnp.float32)
-  qg = q.astype(jnp.float32).reshape(b, k_heads, g, h)
-  logits = jnp.einsum("bkgh,bksh->bkgs", qg, keys) * (h ** -0.5)
+  # The scale goes on the G query rows, not on the S logits.
+  qg = (q.astype(jnp.float32) * (h ** -0.5)).reshape(b, k_heads, g, h)
   valid = jnp.arange(keys.shape[2])[None, None, :] < lengths[:, :, None]  # [B, K, S]
-  logits = jnp.where(valid[:, :, None, :], logits, -jnp.inf)
-  lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # [B, K, G, 1]
-  weights = jnp.where(valid[:, :, None, :], jnp.exp(logits - lse), 0.0)
+  logits = jnp.where(valid[:, :, None, :], jnp.einsum("bkgh,bksh->bkgs", qg, keys), -jnp.inf)
+  # One exp per slot: the softmax is normalised after the value product. (As
+  # exp(logits - logsumexp) it took two; a SmolLM2 decode step on a 2-core CPU
+  # at budget 1024 ran ~1 ms (2-4%) faster this way.) A head with no slots
+  # has max -inf; 0 in its place keeps exp(-inf - 0) = 0 instead of NaN.
+  top = jnp.max(logits, axis=-1, keepdims=True)  # [B, K, G, 1]
+  top = jnp.where(jnp.isneginf(top), 0.0, top)
+  p = jnp.exp(logits - top)  # 0 on empty slots
+  denom = jnp.sum(p, axis=-1, keepdims=True)
+  safe = jnp.where(denom > 0, denom, 1.0)
   # A zero weight does not cancel a NaN or Inf value (0 * inf = NaN), and slots
   # past the length hold whatever their page (or page 0, for absent pages,
   # another sequence's) last held: mask the values, not only the weights.
   values = jnp.where(valid[..., None], values, 0.0)
-  out = jnp.einsum("bkgs,bksh->bkgh", weights, values).reshape(b, n, h)
+  out = (jnp.einsum("bkgs,bksh->bkgh", p, values) / safe).reshape(b, n, h)
   out = out.astype(q.dtype)
   if not return_weights:
     return out
-  return out, weights.reshape(b, n, -1), lse.reshape(b, n)
+  lse = jnp.where(denom > 0, top + jnp.log(safe), -jnp.inf)
+  return out, (p / safe).reshape(b, n, -1), lse.reshape(b, n)
 
 
 # ------------------------------------------------------------------ block sizes

@@ -96,10 +96,14 @@ class PagedAttentionReferenceTest(parameterized.TestCase):
     np.testing.assert_allclose(lse[0, 0], np.log(3.0), rtol=1e-6)
 
   def test_empty_head_outputs_zeros(self):
-    out = paged_attention_reference(
-        jnp.ones((1, 2, 4)), jnp.ones((1, 8, 4)), jnp.ones((1, 8, 4)),
-        jnp.array([[[0]]]), jnp.array([[0]]))
+    # Its page holds a NaN value, which no slot of a head of length 0 may read.
+    v_pages = jnp.ones((1, 8, 4)).at[0, 0, 0].set(jnp.nan)
+    out, weights, lse = paged_attention_reference(
+        jnp.ones((1, 2, 4)), jnp.ones((1, 8, 4)), v_pages, jnp.array([[[0]]]),
+        jnp.array([[0]]), return_weights=True)
     np.testing.assert_array_equal(out, np.zeros((1, 2, 4)))
+    np.testing.assert_array_equal(weights, np.zeros((1, 2, 8)))
+    np.testing.assert_array_equal(lse, np.full((1, 2), -np.inf))
 
   @parameterized.product(page_size=(8, 16, 32), group=(1, 3))
   def test_matches_dense_attention(self, page_size, group):
