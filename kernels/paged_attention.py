@@ -94,12 +94,13 @@ def paged_attention_reference(
   # One exp per slot: the softmax is normalised after the value product. (As
   # exp(logits - logsumexp) it took two; a SmolLM2 decode step on a 2-core CPU
   # at budget 1024 ran ~1 ms (2-4%) faster this way.) A head with no slots
-  # has max -inf; 0 in its place keeps exp(-inf - 0) = 0 instead of NaN.
+  # has max -inf; 0 in its place keeps exp(-inf - 0) = 0 instead of NaN, and
+  # its sum is 0 (any other head's is at least 1: its max slot adds exp(0)).
   top = jnp.max(logits, axis=-1, keepdims=True)  # [B, K, G, 1]
   top = jnp.where(jnp.isneginf(top), 0.0, top)
   p = jnp.exp(logits - top)  # 0 on empty slots
   denom = jnp.sum(p, axis=-1, keepdims=True)
-  safe = jnp.where(denom > 0, denom, 1.0)
+  safe = jnp.maximum(denom, 1.0)  # an empty head divides zeros by 1
   # A zero weight does not cancel a NaN or Inf value (0 * inf = NaN), and slots
   # past the length hold whatever their page (or page 0, for absent pages,
   # another sequence's) last held: mask the values, not only the weights.
@@ -108,7 +109,7 @@ def paged_attention_reference(
   out = out.astype(q.dtype)
   if not return_weights:
     return out
-  lse = jnp.where(denom > 0, top + jnp.log(safe), -jnp.inf)
+  lse = top + jnp.log(denom)  # -inf for an empty head (log 0)
   return out, (p / safe).reshape(b, n, -1), lse.reshape(b, n)
 
 
