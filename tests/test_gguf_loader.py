@@ -116,6 +116,22 @@ def test_tiny_round_trip(tmp_path, tied):
       np.testing.assert_array_equal(weights[key][i], hf[f"{i}.{stem}"].T, err_msg=f"{i} {key}")
 
 
+def test_weights_hold_no_view_of_the_file(tmp_path):
+  # A float32 tensor read as a view of the file's memory map would keep the
+  # whole map resident for as long as the weight (or a device buffer aliasing
+  # it) lives.
+  path = _write_tiny_gguf(tmp_path / "tiny.gguf", _tiny_hf_weights())
+  _, weights, _ = gguf_loader.load_gguf(path)
+
+  def bases(a):
+    while a is not None:
+      yield a
+      a = a.base
+
+  for key, w in weights.items():
+    assert not any(isinstance(b, np.memmap) for b in bases(w)), key
+
+
 def _rope_interleaved(x, pos, theta):
   """llama.cpp RoPE: rotates adjacent pairs (x0, x1), (x2, x3), ... of [..., H]."""
   h = x.shape[-1]

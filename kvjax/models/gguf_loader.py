@@ -276,7 +276,10 @@ def _config(meta: GGUFMetadata, tensors: dict[str, gguf.ReaderTensor],
 def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
   """A GGUF tensor as float32 in numpy (row-major, slowest dimension first)."""
   values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-  return np.asarray(values, np.float32).reshape(tuple(reversed(tensor.shape.tolist())))
+  # A float32 tensor comes back as a view of the file's memory map; a copy
+  # keeps no view alive, so the map (the whole file's pages) goes with the
+  # reader instead of staying resident behind a weight.
+  return np.array(values, np.float32).reshape(tuple(reversed(tensor.shape.tolist())))
 
 
 def load_gguf(path: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.ndarray], GGUFMetadata]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import os
@@ -129,6 +130,7 @@ def _params_from(config: LlamaConfig, weights: dict, dtype, scan_layers: bool):
       del part
     weights[name] = joined
   pure: dict = {}
+  uses = collections.Counter(_parse(path)[0] for path in expected)
   for path, spec in expected.items():
     name, layer = _parse(path)
     array = weights[name] if layer is None else weights[name][layer]
@@ -140,7 +142,15 @@ def _params_from(config: LlamaConfig, weights: dict, dtype, scan_layers: bool):
     *parents, leaf = path.split("/")
     for p in parents:
       node = node.setdefault(p, {})
-    node[leaf] = jnp.asarray(array, dtype)
+    # The copy into a device buffer runs asynchronously and holds its source
+    # until it is done; waiting for it lets each source go as soon as its last
+    # leaf is built. (Unwaited, a SmolLM2 load held both copies: ~1.4 GiB RSS
+    # for 513 MiB of float32 weights.)
+    node[leaf] = jnp.asarray(array, dtype).block_until_ready()
+    del array
+    uses[name] -= 1
+    if not uses[name]:
+      del weights[name]
   nnx.replace_by_pure_dict(state, pure)
   return graphdef, state
 
