@@ -11,7 +11,8 @@ from kvjax.bench import runner
 
 FIELDS = ("model", "policy", "budget", "context_length", "batch_size", "decode_steps", "fill",
           "backend", "decode_ms_per_token", "decode_tokens_per_s", "prefill_s", "kv_bytes",
-          "peak_rss_bytes", "memory_note", "scan_layers")
+          "peak_rss_bytes", "rss_after_load_bytes", "load_peak_rss_bytes", "memory_note",
+          "scan_layers")
 
 
 @pytest.mark.parametrize("fill", ["prompt", "synthetic"])
@@ -24,6 +25,9 @@ def test_measure_row(smollm2_lm, fill, policy, budget):
     assert field in row, field
   assert row["fill"] == fill and row["decode_steps"] == 2  # forward passes after the first token
   assert row["decode_ms_per_token"] > 0 and row["peak_rss_bytes"] > 0
+  # (ru_maxrss is updated lazily: VmRSS may read a little above it.)
+  assert row["rss_after_load_bytes"] > 0
+  assert 0 < row["load_peak_rss_bytes"] <= row["peak_rss_bytes"]
   assert (row["prefill_s"] is None) == (fill == "synthetic")
   c = smollm2_lm.config
   entries = 160 if budget is None else budget

@@ -47,6 +47,18 @@ def peak_rss_bytes() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def rss_bytes() -> int | None:
+  """This process's resident set size now (Linux /proc), else None."""
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith("VmRSS:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return None
+
+
 def device_peak_bytes() -> int | None:
   """Peak device memory where the backend reports it (GPU/TPU), else None (CPU)."""
   stats = jax.devices()[0].memory_stats()
@@ -67,7 +79,7 @@ def measure(cfg: BenchConfig, lm=None) -> dict:
   fields = policies.window_fields(cfg.policy, cfg.window)
   policy = policies.get(cfg.policy, **fields).bind(lm.tokenizer)
   policy.validate(cfg.budget)
-  rss_loaded = peak_rss_bytes()
+  load_peak, rss_loaded = peak_rss_bytes(), rss_bytes()
   run = _prompt_run if fill == "prompt" else _synthetic_run
   row = run(lm, cfg, policy)
   decode_s = row.pop("decode_s")
@@ -81,9 +93,12 @@ def measure(cfg: BenchConfig, lm=None) -> dict:
       "decode_ms_per_token": 1e3 * decode_s / steps,
       "decode_tokens_per_s": cfg.batch_size * steps / decode_s,
       "peak_rss_bytes": peak_rss_bytes(), "rss_after_load_bytes": rss_loaded,
+      "load_peak_rss_bytes": load_peak,
       "device_peak_bytes": device_peak_bytes(),
       "memory_note": ("peak_rss_bytes: the process's peak resident set (ru_maxrss), model "
-                      "included; device_peak_bytes: memory_stats() where the backend has it"),
+                      "loading included; rss_after_load_bytes: the resident set once the "
+                      "model is loaded (VmRSS), load_peak_rss_bytes: the peak by then; "
+                      "device_peak_bytes: memory_stats() where the backend has it"),
   })
   return row
 
