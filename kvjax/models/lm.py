@@ -131,7 +131,8 @@ def _params_from(config: LlamaConfig, weights: dict, dtype, scan_layers: bool):
     weights[name] = joined
   pure: dict = {}
   uses = collections.Counter(_parse(path)[0] for path in expected)
-  for path, spec in expected.items():
+  # Weight by weight (all layers of one, then the next), so each source can go early.
+  for path, spec in sorted(expected.items(), key=lambda item: _parse(item[0])):
     name, layer = _parse(path)
     array = weights[name] if layer is None else weights[name][layer]
     if np.shape(array) != spec.shape:
