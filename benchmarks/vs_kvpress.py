@@ -8,6 +8,10 @@ the same passkey prompt (kvjax.tasks.make_sample "niah") as token ids, the same
 budget (KV entries kept per layer and KV head) and observation window. By
 default query-agnostic, as kvpress's pipeline: the context is compressed, then
 the question is appended uncompressed; --query_aware compresses both together.
+By default both sides prefill in one shot; --prefill_chunk=C makes kvjax
+prefill the compressed policies' prompts in chunks of C tokens, compressing
+back to the budget after each (kvjax's chunked prefill: a smaller peak, a
+different selection; its accuracy cost is in docs/results/niah_chunked).
 kvpress keeps exactly the budget with compression_ratio
 1 - (budget + 0.5) / compressed tokens. Every policy also runs with the full
 cache (kvjax policy "full", transformers without a press).
@@ -68,6 +72,9 @@ flags.DEFINE_enum("warmup", "short", ["short", "full"],
                   "Untimed first run: at a short prompt, or the real configuration (then "
                   "kvjax's peak RSS excludes compiling; twice the time).")
 flags.DEFINE_bool("query_aware", False, "Compress the question with the context.")
+flags.DEFINE_integer("prefill_chunk", 0,
+                     "kvjax side, compressed policies: prefill in chunks of this many tokens, "
+                     "compressing back to the budget after each (0: one shot, as kvpress).")
 flags.DEFINE_bool("scan_layers", True,
                   "kvjax's layers stacked under lax.scan; --noscan_layers gives each layer its "
                   "own weights and unrolls them (faster decode steps, slower compilation).")
@@ -85,7 +92,7 @@ WARMUP_TOKENS = 512  # the short warm-up prompt
 MIB = 2**20
 # What makes a row: configurations already in results.jsonl are not run again.
 KEY_FIELDS = ("side", "policy", "context_length", "budget", "decode_steps", "window",
-              "query_aware", "warmup", "repeats")
+              "query_aware", "warmup", "repeats", "prefill_chunk")
 
 
 class UsageError(Exception):
@@ -144,6 +151,7 @@ def _kvjax_side(prompt):
     r = kvjax.generate(lm, [p["context"]], questions=[p["question"]],
                        query_aware=FLAGS.query_aware, policy=policy,
                        budget=None if name == "full" else budget,
+                       prefill_chunk=_prefill_chunk("kvjax", name),
                        max_new_tokens=FLAGS.decode_steps, stop_ids=[])
     return r.stats, r.token_ids[0]
 
@@ -164,6 +172,11 @@ def _kvjax_side(prompt):
       peak_rss_kind="VmHWM of the timed runs" if reset else "ru_maxrss (process lifetime)",
       token_ids=runs[0][1], backend=f"jax {jax.default_backend()} ({stats[0].backend} kernels, "
                                      f"layers {'scanned' if lm.scan_layers else 'unrolled'})")
+
+
+def _prefill_chunk(side, policy):
+  """kvjax's chunk for a compressed policy under --prefill_chunk; 0 (one shot) otherwise."""
+  return FLAGS.prefill_chunk if side == "kvjax" and policy != "full" else 0
 
 
 def _cache_bytes(cache):
@@ -270,7 +283,8 @@ def _check_flags():
   if not lengths:
     raise UsageError("--context_lengths is empty")
   for name, value, low in (("budget", FLAGS.budget, 1), ("decode_steps", FLAGS.decode_steps, 2),
-                           ("repeats", FLAGS.repeats, 1), ("window", FLAGS.window, 1)):
+                           ("repeats", FLAGS.repeats, 1), ("window", FLAGS.window, 1),
+                           ("prefill_chunk", FLAGS.prefill_chunk, 0)):
     if value < low:
       raise UsageError(f"--{name} must be >= {low}, got {value}")
   for name in FLAGS.policies:
@@ -330,7 +344,8 @@ def _run_child(side, policy, prompt_path):
           f"--prompt_file={prompt_path}", f"--budget={FLAGS.budget}",
           f"--decode_steps={FLAGS.decode_steps}", f"--repeats={FLAGS.repeats}",
           f"--window={FLAGS.window}", f"--warmup={FLAGS.warmup}",
-          f"--query_aware={FLAGS.query_aware}", f"--scan_layers={FLAGS.scan_layers}"]
+          f"--query_aware={FLAGS.query_aware}", f"--scan_layers={FLAGS.scan_layers}",
+          f"--prefill_chunk={FLAGS.prefill_chunk}"]
   env = dict(os.environ, HF_HUB_OFFLINE="1", TQDM_DISABLE="1", TRANSFORMERS_VERBOSITY="error")
   if side == "kvpress" and FLAGS.omp_wait_policy:
     # torch's OpenMP threads busy-wait at each op's barrier by default: on a
@@ -381,7 +396,8 @@ def _parent(out_dir):
     config = dict(side=side, policy=policy, context_length=length,
                   budget=None if policy == "full" else FLAGS.budget,
                   decode_steps=FLAGS.decode_steps, window=FLAGS.window,
-                  query_aware=FLAGS.query_aware, warmup=FLAGS.warmup, repeats=FLAGS.repeats)
+                  query_aware=FLAGS.query_aware, warmup=FLAGS.warmup, repeats=FLAGS.repeats,
+                  prefill_chunk=_prefill_chunk(side, policy))
     if _key(config) in done:
       rows.append(done[_key(config)])
       continue
@@ -430,6 +446,10 @@ def _summary(rows):
            f"{r0['repeats']} timed run(s) after a {r0['warmup']} warm-up. "
            f"Peak RSS: {' / '.join(kinds)}, each side in its own process; baseline RSS: "
            "VmRSS right before the timed prefill (model loaded, warmed up).", ""]
+  chunks = sorted({r.get("prefill_chunk") or 0 for r in rows} - {0})
+  if chunks:
+    lines += [f"kvjax rows marked (chunks of C) prefill the prompt in chunks of C tokens and "
+              "compress back to the budget after each; every other row prefills in one shot.", ""]
   by = {(r["context_length"], r["policy"], r["side"]): r for r in rows}
   mib = lambda b: f"{b / MIB:.0f}"
   for length in sorted({r["context_length"] for r in rows}):
@@ -447,6 +467,7 @@ def _summary(rows):
       for side, r in (("kvjax", ours), ("kvpress", theirs)):
         if r is None:
           continue
+        label = side + (f" (chunks of {r['prefill_chunk']})" if r.get("prefill_chunk") else "")
         same = decode_ratio = prefill_ratio = ""
         if side == "kvjax" and theirs is not None:
           same = f"{_leading_match(ours['token_ids'], theirs['token_ids'])}/{r['decode_steps']}"
@@ -454,7 +475,7 @@ def _summary(rows):
           prefill_ratio = f"{ours['prefill_s'] / theirs['prefill_s']:.2f}"
         compile_s = "–" if r["compile_s"] is None else f"{r['compile_s']:.1f}"
         lines.append(
-            f"| {policy} | {side} | {r['prefill_s']:.2f} | {compile_s} | "
+            f"| {policy} | {label} | {r['prefill_s']:.2f} | {compile_s} | "
             f"{r['decode_tokens_per_s']:.1f} | {mib(r['baseline_rss_bytes'])} | "
             f"{mib(r['peak_rss_bytes'])} | {r['kv_bytes'] / MIB:.1f} | "
             f"{r['kv_bytes_end'] / MIB:.1f} | {same} | {decode_ratio} | {prefill_ratio} |")

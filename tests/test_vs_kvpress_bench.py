@@ -17,7 +17,8 @@ POSITIVE = ("prefill_s", "decode_s", "decode_tokens_per_s", "decode_ms_per_step"
             "kv_bytes_end", "baseline_rss_bytes", "peak_rss_bytes", "lifetime_peak_rss_bytes",
             "prompt_tokens", "context_tokens", "question_tokens", "compressed_tokens", "child_s")
 FIELDS = POSITIVE + ("side", "policy", "context_length", "budget", "decode_steps", "window",
-                     "query_aware", "warmup", "repeats", "prefill_runs", "decode_runs",
+                     "query_aware", "warmup", "repeats", "prefill_chunk", "prefill_runs",
+                     "decode_runs",
                      "compile_s", "peak_rss_kind", "token_ids", "backend", "loadavg")
 
 
@@ -65,11 +66,27 @@ def test_rows_and_summary(tmp_path):
   assert "[1/4]" not in again.stdout
   assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 4
 
+  # With --prefill_chunk only kvjax's compressed run is new: the full cache and
+  # kvpress prefill in one shot, so their rows are reused.
+  chunked = _run(tmp_path, f"--context_lengths={CONTEXT}", f"--budget={BUDGET}",
+                 f"--decode_steps={STEPS}", "--policies=snapkv", "--prefill_chunk=128")
+  assert chunked.returncode == 0, chunked.stderr[-3000:]
+  assert [l.split(":")[0] for l in chunked.stdout.splitlines() if l.startswith("[")] == [
+      f"[3/4] kvjax snapkv {CONTEXT}"]
+  rows = [json.loads(l) for l in (tmp_path / "results.jsonl").read_text().splitlines()]
+  assert [(r["side"], r["policy"], r["prefill_chunk"]) for r in rows[4:]] == [
+      ("kvjax", "snapkv", 128)]
+  # Its pool holds a chunk beside the budget.
+  assert rows[4]["kv_bytes"] > by["snapkv", "kvjax"]["kv_bytes"]
+  summary = (tmp_path / "summary.md").read_text()
+  assert "| snapkv | kvjax (chunks of 128) |" in summary and "| full | kvjax |" in summary
+
 
 @pytest.mark.parametrize("args, message", [
     (["--policies=h2o"], "--policies must name policies with a kvpress press"),
     (["--context_lengths=4k"], "--context_lengths must be a comma list of ints"),
     (["--decode_steps=1"], "--decode_steps must be >= 2"),
+    (["--prefill_chunk=-1"], "--prefill_chunk must be >= 0"),
     (["--budget=8"], "--budget: budget 8 must exceed"),
     (["--context_lengths=512", "--budget=1024"], "not above --budget 1024"),
 ])
