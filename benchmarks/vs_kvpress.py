@@ -10,8 +10,9 @@ default query-agnostic, as kvpress's pipeline: the context is compressed, then
 the question is appended uncompressed; --query_aware compresses both together.
 By default both sides prefill in one shot; --prefill_chunk=C makes kvjax
 prefill the compressed policies' prompts in chunks of C tokens, compressing
-back to the budget after each (kvjax's chunked prefill: a smaller peak, a
-different selection; its accuracy cost is in docs/results/niah_chunked).
+back to the budget after each (kvjax's chunked prefill: the prompt's keys and
+values never all exist at once, and a different selection, whose accuracy cost
+is in docs/results/niah_chunked).
 kvpress keeps exactly the budget with compression_ratio
 1 - (budget + 0.5) / compressed tokens. Every policy also runs with the full
 cache (kvjax policy "full", transformers without a press).
@@ -446,8 +447,7 @@ def _summary(rows):
            f"{r0['repeats']} timed run(s) after a {r0['warmup']} warm-up. "
            f"Peak RSS: {' / '.join(kinds)}, each side in its own process; baseline RSS: "
            "VmRSS right before the timed prefill (model loaded, warmed up).", ""]
-  chunks = sorted({r.get("prefill_chunk") or 0 for r in rows} - {0})
-  if chunks:
+  if any(r.get("prefill_chunk") for r in rows):
     lines += [f"kvjax rows marked (chunks of C) prefill the prompt in chunks of C tokens and "
               "compress back to the budget after each; every other row prefills in one shot.", ""]
   by = {(r["context_length"], r["policy"], r["side"]): r for r in rows}

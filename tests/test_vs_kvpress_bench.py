@@ -18,8 +18,8 @@ POSITIVE = ("prefill_s", "decode_s", "decode_tokens_per_s", "decode_ms_per_step"
             "prompt_tokens", "context_tokens", "question_tokens", "compressed_tokens", "child_s")
 FIELDS = POSITIVE + ("side", "policy", "context_length", "budget", "decode_steps", "window",
                      "query_aware", "warmup", "repeats", "prefill_chunk", "prefill_runs",
-                     "decode_runs",
-                     "compile_s", "peak_rss_kind", "token_ids", "backend", "loadavg")
+                     "decode_runs", "compile_s", "peak_rss_kind", "token_ids", "backend",
+                     "loadavg")
 
 
 def _run(out, *args):
