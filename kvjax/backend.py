@@ -1,10 +1,15 @@
-"""The one switch between Pallas kernels and their XLA (jnp) references.
+"""The one switch between the kernels (Pallas, native C++) and their XLA (jnp) references.
 
 Every kernel op has an ``"xla"`` implementation (its reference) and a
-``"pallas"`` one, with one signature. ``"auto"`` picks Pallas on GPU/TPU when
-the op has a Pallas kernel and XLA elsewhere; ``"xla"`` and ``"pallas"``
-force one side. A forced ``"pallas"`` on CPU runs the kernel in Pallas'
-interpreter (slow, but the same kernel body), so CPU tests exercise it.
+``"pallas"`` one, with one signature; paged decode attention also has a
+``"native"`` one for CPU (C++ through XLA's FFI, ``kvjax.kernels.native``,
+compiled on first use into ``$KVJAX_CACHE_DIR/native``). ``"auto"`` picks
+Pallas on GPU/TPU when the op has a Pallas kernel, native on CPU when the op
+has one and it builds (``KVJAX_NATIVE=0`` turns that off), and XLA
+elsewhere; ``"xla"``, ``"pallas"`` and ``"native"`` force one side (``"native"``
+runs XLA for ops without a native implementation). A forced ``"pallas"`` on
+CPU runs the kernel in Pallas' interpreter (slow, but the same kernel body),
+so CPU tests exercise it.
 
 Ops (name: signature of the reference):
   paged_attention   kvjax.kernels.paged_attention.paged_attention_reference
@@ -27,7 +32,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import os
 from typing import Callable
+import warnings
 
 import jax
 
@@ -37,13 +45,16 @@ from kvjax.kernels.compaction import compact_slots
 from kvjax.kernels.compaction import compact_slots_reference
 from kvjax.kernels.paged_attention import paged_attention
 from kvjax.kernels.paged_attention import paged_attention_reference
+from kvjax.kernels import native
 from kvjax.kernels import segmentation
 from kvjax.kernels.window_scoring import token_norms
 from kvjax.kernels.window_scoring import token_norms_reference
 from kvjax.kernels.window_scoring import window_scores
 from kvjax.kernels.window_scoring import window_scores_reference
 
-BACKENDS = ("auto", "xla", "pallas")
+BACKENDS = ("auto", "xla", "pallas", "native")
+# Setting it to "0" keeps "auto" on XLA on CPU.
+NATIVE_ENV = "KVJAX_NATIVE"
 
 
 def _interpret() -> bool:
@@ -86,7 +97,8 @@ _XLA_UNDER_AUTO = frozenset({"segment_ids", "dynamic_split"})
 
 # op -> backend -> implementation.
 _OPS: dict[str, dict[str, Callable]] = {
-    "paged_attention": {"xla": paged_attention_reference, "pallas": _pallas_paged_attention},
+    "paged_attention": {"xla": paged_attention_reference, "pallas": _pallas_paged_attention,
+                        "native": native.paged_attention_cpu},
     "window_scores": {"xla": window_scores_reference, "pallas": _pallas_window_scores},
     "token_norms": {"xla": token_norms_reference, "pallas": _pallas_token_norms},
     "compact_slots": {"xla": compact_slots_reference, "pallas": _pallas_compact_slots},
@@ -102,14 +114,40 @@ def ops() -> list[str]:
 
 def register(op: str, backend: str, fn: Callable) -> None:
   """Registers an implementation of ``op`` (new or existing) for a concrete backend."""
-  if backend not in ("xla", "pallas"):
-    raise ValueError(f"can register only 'xla' or 'pallas' implementations, got {backend!r}")
+  if backend not in ("xla", "pallas", "native"):
+    raise ValueError(f"can register only 'xla', 'pallas' or 'native' implementations, "
+                     f"got {backend!r}")
   _OPS.setdefault(op, {})[backend] = fn
 
 
 def register_paged_attention(backend: str, fn: Callable) -> None:
   """Registers an implementation of paged decode attention for a backend."""
   register("paged_attention", backend, fn)
+
+
+@functools.cache
+def _native_error() -> str | None:
+  """Why the native kernels cannot run here (None when they can); builds them once."""
+  from kvjax.models import registry  # the cache folder; imported late (models import us)
+  try:
+    native.load(registry.model_cache_dir() / "native")
+  except native.NativeUnavailable as e:
+    return str(e)
+  return None
+
+
+def native_available() -> bool:
+  """Whether backend "native" runs here: a CPU default device and kernels that build.
+
+  The first call compiles them (seconds) unless a build is cached; a failure
+  is warned about once and "auto" then stays on XLA.
+  """
+  if jax.default_backend() != "cpu":
+    return False
+  error = _native_error()
+  if error is not None:
+    warnings.warn(f"kvjax: native CPU kernels unavailable, using XLA: {error}", stacklevel=2)
+  return error is None
 
 
 def resolve(backend: str, op: str = "paged_attention") -> str:
@@ -119,10 +157,22 @@ def resolve(backend: str, op: str = "paged_attention") -> str:
   if op not in _OPS:
     raise ValueError(f"unknown kernel op {op!r}; known ops: {ops()}")
   impls = _OPS[op]
+  platform = jax.default_backend()
   if backend == "auto":
-    on_accelerator = jax.default_backend() in ("gpu", "tpu")
-    wants_pallas = on_accelerator and op not in _XLA_UNDER_AUTO
-    return "pallas" if wants_pallas and "pallas" in impls else "xla"
+    if platform in ("gpu", "tpu"):
+      wants_pallas = op not in _XLA_UNDER_AUTO
+      return "pallas" if wants_pallas and "pallas" in impls else "xla"
+    wants_native = os.environ.get(NATIVE_ENV, "1") != "0" and "native" in impls
+    return "native" if wants_native and native_available() else "xla"
+  if backend == "native":
+    if platform != "cpu":
+      raise ValueError(f"backend 'native' runs on CPU only; the default device is {platform}")
+    if "native" not in impls:
+      return "xla"
+    error = _native_error()
+    if error is not None:
+      raise native.NativeUnavailable(error)
+    return "native"
   if backend not in impls:
     raise ValueError(f"backend {backend!r} has no {op} implementation in this build; "
                      f"available: {sorted(impls)}")

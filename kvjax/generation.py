@@ -135,7 +135,7 @@ def generate_each(
     chat_template: wrap each string prompt as a user turn of the model's chat template.
     stop_ids: ids that end a sequence (default: the tokenizer's stop ids).
     page_size: slots per cache page.
-    backend: "auto", "xla" or "pallas" for the kernels: paged decode attention,
+    backend: "auto", "xla", "pallas" or "native" for the kernels: paged decode attention,
       and the policy's prefill scoring (window scores, key norms).
     pad_multiple: prompts are right-padded to a multiple of this many tokens.
     attention_block: block size of the prefill's causal attention (its logits
@@ -287,7 +287,7 @@ def decode(lm: LanguageModel, cache: PagedKVCache, logits, next_positions, *,
     next_positions: [B] int32 position of the first generated token.
     policy: a bound policy (decode-time eviction, accumulated attention).
     limit: [B, L, K] entries a head may hold (decode-evicting policies).
-    backend: a concrete backend ("xla" or "pallas").
+    backend: a concrete backend ("xla", "pallas" or "native").
 
   Returns:
     (tokens [B, max_new_tokens] int32 np.ndarray, steps run, final cache,

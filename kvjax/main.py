@@ -29,7 +29,7 @@ flags.DEFINE_integer("budget", None, "KV entries kept per (layer, KV head); none
 flags.DEFINE_integer("max_new_tokens", 16, "Tokens to generate.")
 flags.DEFINE_float("temperature", 0.0, "0 for greedy decoding.")
 flags.DEFINE_integer("page_size", 16, "Slots per cache page.")
-flags.DEFINE_enum("backend", "auto", ["auto", "xla", "pallas"], "Paged attention implementation.")
+flags.DEFINE_enum("backend", "auto", ["auto", "xla", "pallas", "native"], "Paged attention implementation.")
 flags.DEFINE_bool("scan_layers", True, "Stacked layers under lax.scan; --noscan_layers gives each "
                   "layer its own weights and unrolls them: faster decode steps, slower compilation.")
 

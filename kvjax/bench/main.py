@@ -37,7 +37,7 @@ flags.DEFINE_list("context_lengths", ["4096", "8000", "16384", "32768"],
 flags.DEFINE_integer("batch_size", _D.batch_size, "Sequences decoded together.")
 flags.DEFINE_integer("decode_steps", _D.decode_steps, "Decode steps timed per run.")
 flags.DEFINE_integer("prefill_chunk", _D.prefill_chunk, "Chunked prefill (0 = one shot).")
-flags.DEFINE_enum("backend", _D.backend, ["auto", "xla", "pallas"], "Kernel backend.")
+flags.DEFINE_enum("backend", _D.backend, ["auto", "xla", "pallas", "native"], "Kernel backend.")
 flags.DEFINE_enum("fill", _D.fill, ["auto", "prompt", "synthetic"],
                   "How the cache is filled: a real prompt, synthetic entries, or auto "
                   "(a prompt where it fits the model's context).")

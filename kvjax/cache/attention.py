@@ -334,7 +334,7 @@ def decode_attention(
 
   Args:
     q: [B, 1, N, H]; k, v: [B, 1, K, H]; positions: [B, 1] int32.
-    backend: "xla" or "pallas" (see kvjax.backend).
+    backend: "xla", "pallas" or "native" (see kvjax.backend).
     accumulate: add the attention each slot receives (mean over the query
       heads of its KV head) to ``cache.scores`` (H2O-style policies).
 

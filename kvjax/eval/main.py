@@ -35,7 +35,7 @@ flags.DEFINE_integer("window", _D.window, "Observation window of window-scored p
                      "H2O's recent window); 0 = each policy's default.")
 flags.DEFINE_integer("prefill_chunk", _D.prefill_chunk,
                      "Prefill in chunks of this many tokens, compressing after each; 0 = one shot.")
-flags.DEFINE_enum("backend", _D.backend, ["auto", "xla", "pallas"], "Kernel backend.")
+flags.DEFINE_enum("backend", _D.backend, ["auto", "xla", "pallas", "native"], "Kernel backend.")
 flags.DEFINE_integer("max_new_tokens", _D.max_new_tokens,
                      "Tokens to generate; 0 = the task's own (32 for dataset rows without one).")
 flags.DEFINE_string("dataset", None, "A local .jsonl or .parquet file in kvpress's schema "
