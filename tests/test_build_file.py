@@ -89,6 +89,19 @@ def test_every_module_and_test_file_has_exactly_one_target():
       assert owners[path][0][1] == "py_test", f"{path} must be a py_test; {REGEN}"
 
 
+def test_kernel_sources_are_data_of_their_module():
+  # The native kernels compile their C++ source at run time: it must travel with
+  # the library (copied beside kvjax/kernels/native.py, as the .py files are).
+  targets = _build()
+  copied = {t["outs"][0]: t["srcs"][0] for t in targets.values() if t["kind"] == "genrule"}
+  data = {copied.get(d, d) for t in targets.values() for d in t.get("data", [])
+          if not d.startswith(":")}
+  sources = _py_files("kernels", "*.cc")
+  assert sources, "no C++ kernel sources found"
+  for path in sources:
+    assert path in data, f"{path} is no target's data; add it to DATA_FILES and {REGEN}"
+
+
 def test_build_matches_generator():
   text, _, _ = _build_gen().generate(ROOT)
   current = (ROOT / "BUILD").read_text(encoding="utf-8")

@@ -83,6 +83,7 @@ def test_wheel_ships_every_module(wheel):
   want = {p.relative_to(ROOT).as_posix() for p in (ROOT / "kvjax").rglob("*.py")}
   want |= {"kvjax/kernels/" + p.relative_to(ROOT / "kernels").as_posix()
            for p in (ROOT / "kernels").rglob("*.py")}
+  want |= {"kvjax/kernels/" + p.name for p in (ROOT / "kernels").glob("*.cc")}  # C++ sources
   want = {w for w in want if "__pycache__" not in w}
   assert not want - names, f"missing from the wheel: {sorted(want - names)}"
 

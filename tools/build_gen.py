@@ -27,6 +27,9 @@ REGEN_CMD = "python tools/build_gen.py --write"
 PACKAGE_DIRS = {"kvjax": "kvjax", "kernels": "kvjax.kernels"}
 # Folders whose modules are libraries but not part of the installed package.
 EXTRA_LIB_DIRS = {"configs": "configs"}
+# Non-Python files a library reads at run time (module path -> data files).
+# Under kernels/ they are copied beside the module's copy, where it finds them.
+DATA_FILES = {"kernels/native.py": ["kernels/paged_attention_cpu.cc"]}
 TESTS_DIR = "tests"
 TOOLS_DIR = "tools"
 
@@ -69,6 +72,7 @@ class Module:
   target: str           # Bazel target name
   kind: str             # "lib", "test" or "bin"
   gen_path: str = ""    # where a copy is placed so the import path works (kernels)
+  data: list[str] = dataclasses.field(default_factory=list)  # files read at run time
   deps: set[str] = dataclasses.field(default_factory=set)   # target names
   reqs: set[str] = dataclasses.field(default_factory=set)   # pip names
 
@@ -105,7 +109,8 @@ def discover(root: pathlib.Path) -> list[Module]:
       gen = ""
       if base != folder:
         gen = "/".join(base.split(".") + list(rel))
-      mods.append(Module(p.relative_to(root).as_posix(), dotted, target, "lib", gen))
+      path = p.relative_to(root).as_posix()
+      mods.append(Module(path, dotted, target, "lib", gen, data=DATA_FILES.get(path, [])))
   for p in _py_files(root / TESTS_DIR):
     rel = p.relative_to(root / TESTS_DIR).parts
     is_test = rel[-1].startswith("test_")
@@ -334,19 +339,27 @@ def render(mods: list[Module]) -> str:
     out += ["", f"# {title}"]
     for m in group:
       out.append("")
+      data = m.data
       if m.gen_path:
-        out += [
-            "genrule(",
-            f'    name = "{m.target}.copy",',
-            f'    srcs = ["{m.path}"],',
-            f'    outs = ["{m.gen_path}"],',
-            '    cmd = "cp $< $@",',
-            ")",
-            "",
-        ]
+        gen_folder = m.gen_path.rsplit("/", 1)[0]
+        copies = [(m.target, m.path, m.gen_path)] + [
+            (f"{m.target}_{d.rsplit('/', 1)[1].replace('.', '_')}", d,
+             f"{gen_folder}/{d.rsplit('/', 1)[1]}") for d in m.data]
+        data = [gen for _, _, gen in copies[1:]]
+        for name, src, gen in copies:
+          out += [
+              "genrule(",
+              f'    name = "{name}.copy",',
+              f'    srcs = ["{src}"],',
+              f'    outs = ["{gen}"],',
+              '    cmd = "cp $< $@",',
+              ")",
+              "",
+          ]
       rule = {"lib": "py_library", "test": "py_test", "bin": "py_binary"}[m.kind]
       src = m.gen_path or m.path
       out += [f"{rule}(", f'    name = "{m.target}",', f'    srcs = ["{src}"],']
+      out += _list("data", [_q(d) for d in data])
       if m.kind in ("test", "bin"):
         out.append(f'    main = "{src}",')
       if m.kind == "test" and m.target in SOURCE_TREE_TESTS:
