@@ -130,6 +130,19 @@ void AttendHead(const float* q, const float* k_pages, const float* v_pages,
   }
 }
 
+// All (sequence, KV head)s; shapes as in the header comment, G = N / K. Lengths
+// are clamped into [0, P_max * S_page].
+void PagedAttention(const float* q, const float* k_pages, const float* v_pages,
+                    const int32_t* page_table, const int32_t* lengths, int64_t b,
+                    int64_t kv_heads, int64_t g, int64_t h, int64_t num_pages,
+                    int64_t page_size, int64_t max_pages, float* out) {
+  for (int64_t i = 0; i < b * kv_heads; ++i) {
+    const int64_t length = std::clamp<int64_t>(lengths[i], 0, max_pages * page_size);
+    AttendHead(q + i * g * h, k_pages, v_pages, page_table + i * max_pages, num_pages,
+               page_size, length, g, h, out + i * g * h);
+  }
+}
+
 std::string Shape(ffi::Span<const int64_t> dims) {
   std::string s = "[";
   for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
@@ -152,17 +165,9 @@ ffi::Error PagedAttentionCpu(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pa
         Shape(kd) + " v_pages" + Shape(vd) + " page_table" + Shape(td) + " lengths" +
         Shape(ld));
   }
-  const int64_t b = qd[0], n = qd[1], h = qd[2];
-  const int64_t num_pages = kd[0], page_size = kd[1];
-  const int64_t kv_heads = td[1], max_pages = td[2], g = n / kv_heads;
-  const int32_t* table = page_table.typed_data();
-  const int32_t* fill = lengths.typed_data();
-  for (int64_t i = 0; i < b * kv_heads; ++i) {
-    const int64_t length = std::clamp<int64_t>(fill[i], 0, max_pages * page_size);
-    AttendHead(q.typed_data() + i * g * h, k_pages.typed_data(), v_pages.typed_data(),
-               table + i * max_pages, num_pages, page_size, length, g, h,
-               out->typed_data() + i * g * h);
-  }
+  PagedAttention(q.typed_data(), k_pages.typed_data(), v_pages.typed_data(),
+                 page_table.typed_data(), lengths.typed_data(), qd[0], td[1], qd[1] / td[1],
+                 qd[2], kd[0], kd[1], td[2], out->typed_data());
   return ffi::Error::Success();
 }
 
