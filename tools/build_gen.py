@@ -58,8 +58,8 @@ PIP_NAMES = {
     "huggingface_hub": "huggingface-hub",
 }
 
-# Tests that read the checkout itself (BUILD, pyproject, sources) get it as data.
-# Tests that read files of the checkout (BUILD sync, wheel build, the C++ test harness).
+# Tests that read the checkout itself (BUILD, pyproject, sources, the C++ test
+# harness) get it as data.
 SOURCE_TREE_TESTS = {"test_build_file", "test_packaging", "test_paged_attention_native"}
 SOURCE_TREE_GLOBS = [
     "BUILD", "*.md", "*.toml", "configs/**", "kernels/**", "kvjax/**", "tests/**", "tools/**",
