@@ -11,21 +11,24 @@
 //
 // Why it exists: XLA's version gathers every page of a head into a contiguous
 // copy, then runs four passes (logits, max, exp, values) over it. Here each
-// (sequence, KV head) reads its pages in place, keys once and values once,
-// and serves its G query heads from that one read; the logits of one head
-// (G x length floats) stay in a per-thread buffer.
+// head's pages are read in place, keys once and values once, each read
+// serving the head's G query heads. A head's pages are cut into parts that
+// XLA's intra-op threads share (split-K, as flash-decoding): each part keeps a
+// softmax state, and the states of a head are merged at the end.
 //
 // Only slots below the length are read, so stale or non-finite data past it
 // (or in pages a head does not own) never reaches the output. Page ids are
 // clamped into [0, P) as XLA's gather clamps them. A head of length 0 gives
-// zeros. Single-threaded: the decode step has other work for XLA's threads,
-// and a threaded version measured no faster on two cores.
+// zeros.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -64,82 +67,163 @@ inline float Dot(const float* a, const float* b, int64_t h) {
   return sum;
 }
 
-// One (sequence, KV head): its G query rows q [G, H] -> out [G, H].
-void AttendHead(const float* q, const float* k_pages, const float* v_pages,
-                const int32_t* pages, int64_t num_pages, int64_t page_size,
-                int64_t length, int64_t g, int64_t h, float* out) {
-  if (length == 0) {
-    std::fill(out, out + g * h, 0.0f);
-    return;
-  }
+// A run of pages of one (sequence, KV head): pages [first_page, end_page) of
+// its page table, the last one cut at the head's length.
+struct Part {
+  int64_t head;  // (sequence, KV head), flattened: b * K + k
+  int64_t first_page, end_page;
+};
+
+// The softmax state of one part for the head's G query rows: running max
+// m [G], sum l [G] = sum exp(logit - m), acc [G, H] = sum exp(logit - m) v.
+// Parts of one head merge into the head's output (Merge).
+void AttendPart(const float* q, const float* k_pages, const float* v_pages,
+                const int32_t* pages, int64_t num_pages, int64_t page_size, int64_t length,
+                int64_t first_page, int64_t end_page, int64_t g, int64_t h, float* m, float* l,
+                float* acc) {
+  const int64_t first_slot = first_page * page_size;
+  const int64_t slots = std::min(end_page * page_size, length) - first_slot;
   thread_local std::vector<float> scratch;
-  scratch.resize(static_cast<size_t>(g * (h + length + 1)));
-  float* scaled_q = scratch.data();       // [G, H]
-  float* inv_sum = scaled_q + g * h;      // [G]
-  float* logits = inv_sum + g;            // [G, length], then the weights
+  scratch.resize(static_cast<size_t>(g * (h + slots)));
+  float* scaled_q = scratch.data();  // [G, H]
+  float* logits = scaled_q + g * h;  // [G, slots], then exp(logit - m)
   const float scale = 1.0f / std::sqrt(static_cast<float>(h));
   for (int64_t i = 0; i < g * h; ++i) scaled_q[i] = q[i] * scale;
 
-  const int64_t used_pages = (length + page_size - 1) / page_size;
   auto page_base = [&](const float* pool, int64_t j) {
     const int64_t id = std::clamp<int64_t>(pages[j], 0, num_pages - 1);
     return pool + id * page_size * h;
   };
   auto slots_in = [&](int64_t j) { return std::min(page_size, length - j * page_size); };
 
-  for (int64_t j = 0; j < used_pages; ++j) {
+  // Keys once: each key serves the G query rows while it is in cache.
+  for (int64_t j = first_page; j < end_page; ++j) {
     const float* keys = page_base(k_pages, j);
-    const int64_t first = j * page_size;
+    const int64_t at = j * page_size - first_slot;
     for (int64_t s = 0; s < slots_in(j); ++s) {
       for (int64_t r = 0; r < g; ++r) {
-        logits[r * length + first + s] = Dot(scaled_q + r * h, keys + s * h, h);
+        logits[r * slots + at + s] = Dot(scaled_q + r * h, keys + s * h, h);
       }
     }
   }
-
-  // One exp per slot; the division by the sum comes after the value product.
+  // One exp per slot; the division by the sum comes after the merge.
   for (int64_t r = 0; r < g; ++r) {
-    float* row = logits + r * length;
+    float* row = logits + r * slots;
     float top = row[0];
-    for (int64_t s = 1; s < length; ++s) top = std::max(top, row[s]);
+    for (int64_t s = 1; s < slots; ++s) top = std::max(top, row[s]);
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t s = 0; s < length; ++s) {
+    for (int64_t s = 0; s < slots; ++s) {
       row[s] = ExpNonPositive(row[s] - top);
       sum += row[s];
     }
-    inv_sum[r] = 1.0f / sum;  // sum >= 1: the top slot adds exp(0)
+    m[r] = top;
+    l[r] = sum;  // >= 1: the top slot adds exp(0)
   }
-
-  std::fill(out, out + g * h, 0.0f);
-  for (int64_t j = 0; j < used_pages; ++j) {
+  // Values once.
+  std::fill(acc, acc + g * h, 0.0f);
+  for (int64_t j = first_page; j < end_page; ++j) {
     const float* values = page_base(v_pages, j);
-    const int64_t first = j * page_size;
+    const int64_t at = j * page_size - first_slot;
     for (int64_t s = 0; s < slots_in(j); ++s) {
       const float* value = values + s * h;
       for (int64_t r = 0; r < g; ++r) {
-        const float w = logits[r * length + first + s];
-        float* acc = out + r * h;
+        const float w = logits[r * slots + at + s];
+        float* row = acc + r * h;
 #pragma omp simd
-        for (int64_t i = 0; i < h; ++i) acc[i] += w * value[i];
+        for (int64_t i = 0; i < h; ++i) row[i] += w * value[i];
       }
     }
   }
+}
+
+// out [G, H] of one head from the states of its n parts (m [n, G], l [n, G],
+// acc [n, G, H]); zeros for a head without parts (length 0).
+void Merge(const float* m, const float* l, const float* acc, int64_t n, int64_t g, int64_t h,
+           float* out) {
+  std::fill(out, out + g * h, 0.0f);
   for (int64_t r = 0; r < g; ++r) {
-    for (int64_t i = 0; i < h; ++i) out[r * h + i] *= inv_sum[r];
+    float top = -INFINITY;
+    for (int64_t p = 0; p < n; ++p) top = std::max(top, m[p * g + r]);
+    float sum = 0.0f;
+    for (int64_t p = 0; p < n; ++p) {
+      const float w = std::exp(m[p * g + r] - top);
+      sum += w * l[p * g + r];
+      const float* part = acc + (p * g + r) * h;
+      for (int64_t i = 0; i < h; ++i) out[r * h + i] += w * part[i];
+    }
+    if (n > 0) {
+      for (int64_t i = 0; i < h; ++i) out[r * h + i] /= sum;
+    }
   }
 }
 
-// All (sequence, KV head)s; shapes as in the header comment, G = N / K. Lengths
-// are clamped into [0, P_max * S_page].
+// Work shared by the threads of one call. Held by shared_ptr: a helper task
+// that starts after the call has returned finds no part left and touches
+// nothing else.
+struct Work {
+  std::vector<Part> parts;
+  std::atomic<int64_t> next{0};  // the next part to claim
+  std::atomic<int64_t> done{0};  // parts finished
+};
+
+// Smallest run of pages worth a part of its own (a part costs a merge).
+constexpr int64_t kMinPagesPerPart = 8;
+
+// All (sequence, KV head)s; shapes as in the header comment, G = N / K.
+// Lengths are clamped into [0, P_max * S_page]. Each head's pages are cut into
+// parts, which up to `threads` threads claim one at a time: the caller, and
+// threads - 1 helpers started with schedule(task). The caller never waits for
+// a helper to start, only for parts a helper has claimed to finish, so a busy
+// or single-threaded pool cannot deadlock it.
+template <typename Schedule>
 void PagedAttention(const float* q, const float* k_pages, const float* v_pages,
                     const int32_t* page_table, const int32_t* lengths, int64_t b,
                     int64_t kv_heads, int64_t g, int64_t h, int64_t num_pages,
-                    int64_t page_size, int64_t max_pages, float* out) {
-  for (int64_t i = 0; i < b * kv_heads; ++i) {
-    const int64_t length = std::clamp<int64_t>(lengths[i], 0, max_pages * page_size);
-    AttendHead(q + i * g * h, k_pages, v_pages, page_table + i * max_pages, num_pages,
-               page_size, length, g, h, out + i * g * h);
+                    int64_t page_size, int64_t max_pages, float* out, int64_t threads,
+                    Schedule&& schedule) {
+  const int64_t heads = b * kv_heads;
+  auto length_of = [&](int64_t i) {
+    return std::clamp<int64_t>(lengths[i], 0, max_pages * page_size);
+  };
+  // Two parts per thread in all, where heads are long enough to cut.
+  const int64_t cuts = std::max<int64_t>(1, (2 * threads + heads - 1) / heads);
+  auto work = std::make_shared<Work>();
+  std::vector<int64_t> first_part(heads + 1);
+  for (int64_t i = 0; i < heads; ++i) {
+    first_part[i] = static_cast<int64_t>(work->parts.size());
+    const int64_t used = (length_of(i) + page_size - 1) / page_size;
+    const int64_t n = std::min(cuts, std::max<int64_t>(1, used / kMinPagesPerPart));
+    for (int64_t p = 0; p < n && used > 0; ++p) {
+      work->parts.push_back({i, used * p / n, used * (p + 1) / n});
+    }
+  }
+  first_part[heads] = static_cast<int64_t>(work->parts.size());
+  const int64_t total = first_part[heads];
+  std::vector<float> state(static_cast<size_t>(total * g * (h + 2)));
+  float* m = state.data();   // [parts, G]
+  float* l = m + total * g;  // [parts, G]
+  float* acc = l + total * g;  // [parts, G, H]
+
+  auto run = [=, w = work.get()]() {
+    for (int64_t p; (p = w->next.fetch_add(1)) < total; w->done.fetch_add(1)) {
+      const Part& part = w->parts[p];
+      AttendPart(q + part.head * g * h, k_pages, v_pages, page_table + part.head * max_pages,
+                 num_pages, page_size, length_of(part.head), part.first_page, part.end_page, g,
+                 h, m + p * g, l + p * g, acc + p * g * h);
+    }
+  };
+  const int64_t helpers = std::min(threads, total) - 1;
+  for (int64_t t = 0; t < helpers; ++t) {
+    schedule([work, run]() {
+      if (work->next.load() < work->parts.size()) run();
+    });
+  }
+  run();
+  while (work->done.load() < total) std::this_thread::yield();
+  for (int64_t i = 0; i < heads; ++i) {
+    const int64_t p = first_part[i];
+    Merge(m + p * g, l + p * g, acc + p * g * h, first_part[i + 1] - p, g, h, out + i * g * h);
   }
 }
 
@@ -151,7 +235,8 @@ std::string Shape(ffi::Span<const int64_t> dims) {
 
 ffi::Error PagedAttentionCpu(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
                              ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> page_table,
-                             ffi::Buffer<ffi::S32> lengths, ffi::ResultBuffer<ffi::F32> out) {
+                             ffi::Buffer<ffi::S32> lengths, ffi::ResultBuffer<ffi::F32> out,
+                             ffi::ThreadPool pool) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), vd = v_pages.dimensions();
   const auto td = page_table.dimensions(), ld = lengths.dimensions(), od = out->dimensions();
   const bool ranks_ok = qd.size() == 3 && kd.size() == 3 && vd.size() == 3 &&
@@ -167,7 +252,9 @@ ffi::Error PagedAttentionCpu(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pa
   }
   PagedAttention(q.typed_data(), k_pages.typed_data(), v_pages.typed_data(),
                  page_table.typed_data(), lengths.typed_data(), qd[0], td[1], qd[1] / td[1],
-                 qd[2], kd[0], kd[1], td[2], out->typed_data());
+                 qd[2], kd[0], kd[1], td[2], out->typed_data(),
+                 std::max<int64_t>(1, pool.num_threads()),
+                 [&pool](auto task) { pool.Schedule(std::move(task)); });
   return ffi::Error::Success();
 }
 
@@ -180,4 +267,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KvjaxPagedAttentionCpu, PagedAttentionCpu,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v_pages
                                   .Arg<ffi::Buffer<ffi::S32>>()  // page_table
                                   .Arg<ffi::Buffer<ffi::S32>>()  // lengths
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Ctx<ffi::ThreadPool>());  // XLA's intra-op threads

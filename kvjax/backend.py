@@ -128,7 +128,8 @@ def register_paged_attention(backend: str, fn: Callable) -> None:
 @functools.cache
 def _native_error() -> str | None:
   """Why the native kernels cannot run here (None when they can); builds them once."""
-  from kvjax.models import registry  # the cache folder; imported late (models import us)
+  # The cache folder. Imported here: kvjax.models imports this module (through kvjax.cache).
+  from kvjax.models import registry
   try:
     native.load(registry.model_cache_dir() / "native")
   except native.NativeUnavailable as e:

@@ -65,6 +65,8 @@ class NativeKernelTest(parameterized.TestCase):
       ("one_head", dict(b=2, kv=1, g=1, h=32, page=4, pool=5, max_pages=3)),
       ("wide_groups", dict(b=3, kv=2, g=16, h=128, page=8, pool=30, max_pages=6)),
       ("page_of_one", dict(b=2, kv=2, g=2, h=16, page=1, pool=50, max_pages=20)),
+      # Long heads are cut into parts that the threads share, then merged.
+      ("long_heads", dict(b=2, kv=1, g=4, h=64, page=16, pool=140, max_pages=64)),
   )
   def test_matches_reference_and_float64(self, shape):
     q, k_pages, v_pages, table, lengths = _inputs(0, **shape)
@@ -148,19 +150,19 @@ class NativeKernelTest(parameterized.TestCase):
       _native(q, k_pages, v_pages, table, lengths[:1]).block_until_ready()
 
 
-class MemorySafetyTest(absltest.TestCase):
+class MemorySafetyTest(parameterized.TestCase):
 
-  def test_no_out_of_bounds_access_under_sanitizers(self):
+  @parameterized.parameters("address,undefined", "thread")
+  def test_no_bad_access_or_race_under_sanitizers(self, sanitizers):
     # The kernel reads pages by ids from the page table: a bad id or length must
-    # never reach memory outside the pool (XLA would not notice, the process
-    # would die later). Random shapes and out-of-range ids and lengths, built
-    # with AddressSanitizer and UBSan.
+    # never reach memory outside the pool, and its threads must not race (XLA
+    # would not notice; the process would die later, or give wrong numbers).
+    # Random shapes, out-of-range ids and lengths, 1-4 threads.
     with tempfile.TemporaryDirectory() as tmp:
-      exe = pathlib.Path(tmp) / "asan_check"
-      harness = pathlib.Path(__file__).with_name("paged_attention_cpu_asan.cc")
-      compiler = native._compiler()
-      subprocess.run([compiler, "-std=c++17", "-O1", "-g", "-fopenmp-simd", "-w",
-                      "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+      exe = pathlib.Path(tmp) / "check"
+      harness = pathlib.Path(__file__).with_name("paged_attention_cpu_check.cc")
+      subprocess.run([native._compiler(), "-std=c++17", "-O1", "-g", "-fopenmp-simd", "-w",
+                      f"-fsanitize={sanitizers}", "-fno-sanitize-recover=all", "-pthread",
                       "-I", jax.ffi.include_dir(), "-I", str(native.SOURCE.parent),
                       str(harness), "-o", str(exe)], check=True, capture_output=True, timeout=600)
       done = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)

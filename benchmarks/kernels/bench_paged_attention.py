@@ -1,5 +1,7 @@
 r"""Paged decode attention: Pallas kernel vs float32 reference vs plain XLA, in bytes/s.
 
+On CPU the C++ kernel (backend "native") gets a row too.
+
   python benchmarks/kernels/bench_paged_attention.py --batch=4 --kv_heads=3 --group=3
 
 Plain XLA: jax.nn.dot_product_attention over a contiguous [B, S, K, H] cache
@@ -19,6 +21,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # pylint: disable=g-import-not-at-top
 
+from kvjax import backend as backend_lib
+from kvjax.kernels.native import paged_attention_cpu
 from kvjax.kernels.paged_attention import paged_attention
 from kvjax.kernels.paged_attention import paged_attention_reference
 
@@ -64,6 +68,9 @@ def main(_):
                                                                         lengths),
                                                repeats=FLAGS.repeats)),
   ]
+  if backend_lib.native_available():
+    rows.insert(0, ("native (C++, CPU)", common.time_fn(jax.jit(paged_attention_cpu), paged_args,
+                                                         repeats=FLAGS.repeats)))
   nbytes = int(lengths.sum()) * h * 2 * dtype.itemsize + 2 * q.nbytes
   common.report("paged decode attention",
                 f"B={b} K={kh} G={g} H={h} page={ps} P_max={p_max} {dtype.name}", nbytes, rows)
