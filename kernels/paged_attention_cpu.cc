@@ -22,43 +22,19 @@
 // zeros.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
+#include "cpu_math.h"
+#include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
-
-// exp(x) for x <= 0, written so that loops over it vectorise (std::exp does
-// not): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by Cephes' degree-6
-// polynomial (relative error ~1e-7), 2^n assembled in the exponent bits.
-// Below -87 the result would be subnormal; it is flushed to 0.
-inline float ExpNonPositive(float x) {
-  const bool underflow = x < -87.0f;
-  x = underflow ? -87.0f : x;
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;  // ln2 split in two (Cody and Waite)
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return underflow ? 0.0f : p * scale;
-}
 
 inline float Dot(const float* a, const float* b, int64_t h) {
   float sum = 0.0f;
@@ -114,7 +90,7 @@ void AttendPart(const float* q, const float* k_pages, const float* v_pages,
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t s = 0; s < slots; ++s) {
-      row[s] = ExpNonPositive(row[s] - top);
+      row[s] = kvjax::ExpNonPositive(row[s] - top);
       sum += row[s];
     }
     m[r] = top;
@@ -158,24 +134,12 @@ void Merge(const float* m, const float* l, const float* acc, int64_t n, int64_t 
   }
 }
 
-// Work shared by the threads of one call. Held by shared_ptr: a helper task
-// that starts after the call has returned finds no part left and touches
-// nothing else.
-struct Work {
-  std::vector<Part> parts;
-  std::atomic<int64_t> next{0};  // the next part to claim
-  std::atomic<int64_t> done{0};  // parts finished
-};
-
 // Smallest run of pages worth a part of its own (a part costs a merge).
 constexpr int64_t kMinPagesPerPart = 8;
 
 // All (sequence, KV head)s; shapes as in the header comment, G = N / K.
 // Lengths are clamped into [0, P_max * S_page]. Each head's pages are cut into
-// parts, which up to `threads` threads claim one at a time: the caller, and
-// threads - 1 helpers started with schedule(task). The caller never waits for
-// a helper to start, only for parts a helper has claimed to finish, so a busy
-// or single-threaded pool cannot deadlock it.
+// parts, which up to `threads` threads share (kvjax::RunParts).
 template <typename Schedule>
 void PagedAttention(const float* q, const float* k_pages, const float* v_pages,
                     const int32_t* page_table, const int32_t* lengths, int64_t b,
@@ -183,44 +147,35 @@ void PagedAttention(const float* q, const float* k_pages, const float* v_pages,
                     int64_t page_size, int64_t max_pages, float* out, int64_t threads,
                     Schedule&& schedule) {
   const int64_t heads = b * kv_heads;
-  auto length_of = [&](int64_t i) {
+  auto length_of = [=](int64_t i) {
     return std::clamp<int64_t>(lengths[i], 0, max_pages * page_size);
   };
   // Two parts per thread in all, where heads are long enough to cut.
   const int64_t cuts = std::max<int64_t>(1, (2 * threads + heads - 1) / heads);
-  auto work = std::make_shared<Work>();
+  std::vector<Part> parts;
   std::vector<int64_t> first_part(heads + 1);
   for (int64_t i = 0; i < heads; ++i) {
-    first_part[i] = static_cast<int64_t>(work->parts.size());
+    first_part[i] = static_cast<int64_t>(parts.size());
     const int64_t used = (length_of(i) + page_size - 1) / page_size;
     const int64_t n = std::min(cuts, std::max<int64_t>(1, used / kMinPagesPerPart));
     for (int64_t p = 0; p < n && used > 0; ++p) {
-      work->parts.push_back({i, used * p / n, used * (p + 1) / n});
+      parts.push_back({i, used * p / n, used * (p + 1) / n});
     }
   }
-  first_part[heads] = static_cast<int64_t>(work->parts.size());
+  first_part[heads] = static_cast<int64_t>(parts.size());
   const int64_t total = first_part[heads];
   std::vector<float> state(static_cast<size_t>(total * g * (h + 2)));
   float* m = state.data();   // [parts, G]
   float* l = m + total * g;  // [parts, G]
   float* acc = l + total * g;  // [parts, G, H]
 
-  auto run = [=, w = work.get()]() {
-    for (int64_t p; (p = w->next.fetch_add(1)) < total; w->done.fetch_add(1)) {
-      const Part& part = w->parts[p];
-      AttendPart(q + part.head * g * h, k_pages, v_pages, page_table + part.head * max_pages,
-                 num_pages, page_size, length_of(part.head), part.first_page, part.end_page, g,
-                 h, m + p * g, l + p * g, acc + p * g * h);
-    }
-  };
-  const int64_t helpers = std::min(threads, total) - 1;
-  for (int64_t t = 0; t < helpers; ++t) {
-    schedule([work, run]() {
-      if (work->next.load() < work->parts.size()) run();
-    });
-  }
-  run();
-  while (work->done.load() < total) std::this_thread::yield();
+  const Part* part_list = parts.data();
+  kvjax::RunParts(total, threads, schedule, [=](int64_t p) {
+    const Part& part = part_list[p];
+    AttendPart(q + part.head * g * h, k_pages, v_pages, page_table + part.head * max_pages,
+               num_pages, page_size, length_of(part.head), part.first_page, part.end_page, g, h,
+               m + p * g, l + p * g, acc + p * g * h);
+  });
   for (int64_t i = 0; i < heads; ++i) {
     const int64_t p = first_part[i];
     Merge(m + p * g, l + p * g, acc + p * g * h, first_part[i + 1] - p, g, h, out + i * g * h);

@@ -1,15 +1,17 @@
 """The one switch between the kernels (Pallas, native C++) and their XLA (jnp) references.
 
-Every kernel op has an ``"xla"`` implementation (its reference) and a
-``"pallas"`` one, with one signature; paged decode attention also has a
-``"native"`` one for CPU (C++ through XLA's FFI, ``kvjax.kernels.native``,
-compiled on first use into ``$KVJAX_CACHE_DIR/native``). ``"auto"`` picks
-Pallas on GPU/TPU when the op has a Pallas kernel, native on CPU when the op
-has one and it builds (``KVJAX_NATIVE=0`` turns that off), and XLA
-elsewhere; ``"xla"``, ``"pallas"`` and ``"native"`` force one side (``"native"``
-runs XLA for ops without a native implementation). A forced ``"pallas"`` on
-CPU runs the kernel in Pallas' interpreter (slow, but the same kernel body),
-so CPU tests exercise it.
+Every kernel op has an ``"xla"`` implementation (its reference), most a
+``"pallas"`` one, with one signature; paged decode attention, a prompt's
+causal attention and the packed weights' products also have a ``"native"``
+one for CPU (C++ through XLA's FFI,
+``kvjax.kernels.native``, compiled on first use into
+``$KVJAX_CACHE_DIR/native``). ``"auto"`` picks Pallas on GPU/TPU when the op
+has a Pallas kernel, native on CPU when the op has one and it builds
+(``KVJAX_NATIVE=0`` turns that off), and XLA elsewhere; ``"xla"``,
+``"pallas"`` and ``"native"`` force one side (a forced ``"pallas"`` or
+``"native"`` runs XLA for ops without such an implementation). A forced
+``"pallas"`` on CPU runs the kernel in Pallas' interpreter (slow, but the same
+kernel body), so CPU tests exercise it.
 
 Ops (name: signature of the reference):
   paged_attention   kvjax.kernels.paged_attention.paged_attention_reference
@@ -18,6 +20,9 @@ Ops (name: signature of the reference):
   compact_slots     kvjax.kernels.compaction.compact_slots_reference
   segment_ids       kvjax.kernels.segmentation.segment_ids_checked
   dynamic_split     kvjax.kernels.segmentation.dynamic_split_checked
+  causal_attention  kvjax.kernels.causal_attention.causal_attention_reference (no Pallas kernel)
+  quantized_matmul  kvjax.kernels.quantized.quantized_matmul_reference (no Pallas kernel)
+  dequantize        kvjax.kernels.quantized.dequantize_reference (no Pallas kernel)
 
 The segmentation ops stay on XLA under "auto" even on GPU/TPU: their kernels
 are sequential scalar walks, O(T) steps per sequence beside an O(T^2)
@@ -46,6 +51,8 @@ from kvjax.kernels.compaction import compact_slots_reference
 from kvjax.kernels.paged_attention import paged_attention
 from kvjax.kernels.paged_attention import paged_attention_reference
 from kvjax.kernels import native
+from kvjax.kernels import quantized
+from kvjax.kernels.causal_attention import causal_attention_reference
 from kvjax.kernels import segmentation
 from kvjax.kernels.window_scoring import token_norms
 from kvjax.kernels.window_scoring import token_norms_reference
@@ -104,6 +111,11 @@ _OPS: dict[str, dict[str, Callable]] = {
     "compact_slots": {"xla": compact_slots_reference, "pallas": _pallas_compact_slots},
     "segment_ids": {"xla": segmentation.segment_ids_checked, "pallas": _pallas_segment_ids},
     "dynamic_split": {"xla": segmentation.dynamic_split_checked, "pallas": _pallas_dynamic_split},
+    "causal_attention": {"xla": causal_attention_reference,
+                         "native": native.causal_attention_cpu},
+    "quantized_matmul": {"xla": quantized.quantized_matmul_reference,
+                         "native": native.quantized_matmul_cpu},
+    "dequantize": {"xla": quantized.dequantize_reference, "native": native.dequantize_cpu},
 }
 
 
@@ -174,10 +186,7 @@ def resolve(backend: str, op: str = "paged_attention") -> str:
     if error is not None:
       raise native.NativeUnavailable(error)
     return "native"
-  if backend not in impls:
-    raise ValueError(f"backend {backend!r} has no {op} implementation in this build; "
-                     f"available: {sorted(impls)}")
-  return backend
+  return backend if backend in impls else "xla"
 
 
 def get(op: str, backend: str | None = None) -> Callable:

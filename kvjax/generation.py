@@ -210,7 +210,8 @@ def generate_each(
     buffers = tuple(jnp.zeros(shape + (heads, cfg.head_dim), lm.dtype)
                     for heads in (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads))
     recorded = shared("prefill", _record, (lm.params, buffers, jnp.asarray(tokens),
-                                           jnp.asarray(lengths)), block=attention_block)
+                                           jnp.asarray(lengths)), block=attention_block,
+                      backend=backend)
 
   for i, (policy, budget) in enumerate(runs):
     # Every run counts the shared forward's time; its compilation counts once.
@@ -254,7 +255,8 @@ def generate_each(
     if q_tokens is not None:
       cache, logits = clock(
           "prefill", _extend,
-          (lm.params, cache, jnp.asarray(q_tokens), jnp.asarray(q_lengths), jnp.asarray(lengths)))
+          (lm.params, cache, jnp.asarray(q_tokens), jnp.asarray(q_lengths), jnp.asarray(lengths)),
+          backend=backend)
       next_pos = lengths + q_lengths
 
     out, steps, cache, decode_s, dt = decode(
@@ -334,7 +336,7 @@ def _prefill_body(params, cache, tokens, lengths, *, graphdef, policy, block, bu
   return cache, model.logits(last)
 
 
-def _record(params, buffers, tokens, lengths, *, graphdef, block):
+def _record(params, buffers, tokens, lengths, *, graphdef, block, backend):
   """Prompt forward pass that records every layer's q, k, v (no cache, no policy).
 
   Args:
@@ -351,9 +353,10 @@ def _record(params, buffers, tokens, lengths, *, graphdef, block):
     out = attention_lib.causal_attention(q, k, v, block=block)
     return tuple(b.at[layer].set(x.astype(b.dtype)) for b, x in zip(buffers, (q, k, v))), out
 
-  hidden, buffers = model(tokens, positions, buffers, attend)
-  last = hidden[jnp.arange(tokens.shape[0]), lengths - 1]
-  return buffers, model.logits(last)
+  with backend_lib.use(backend):  # packed weights' products
+    hidden, buffers = model(tokens, positions, buffers, attend)
+    last = hidden[jnp.arange(tokens.shape[0]), lengths - 1]
+    return buffers, model.logits(last)
 
 
 def _store(params, cache, recorded, tokens, lengths, *, graphdef, policy, budget, budgets,
@@ -397,7 +400,7 @@ def _prefill_chunk(params, cache, tokens, lengths, offsets, *, graphdef, policy,
     return cache, model.logits(last)
 
 
-def _extend(params, cache, tokens, lengths, offsets, *, graphdef):
+def _extend(params, cache, tokens, lengths, offsets, *, graphdef, backend):
   """Appends a chunk (the question) to the cache uncompressed; returns (cache, logits [B, V])."""
   model = nnx.merge(graphdef, params)
   positions = offsets[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
@@ -405,14 +408,26 @@ def _extend(params, cache, tokens, lengths, offsets, *, graphdef):
   def attend(cache, layer, q, k, v):
     return attention_lib.extend_attention(cache, layer, q, k, v, positions, lengths)
 
-  hidden, cache = model(tokens, positions, cache, attend)
-  last = hidden[jnp.arange(tokens.shape[0]), lengths - 1]
-  return cache, model.logits(last)
+  with backend_lib.use(backend):  # packed weights' products
+    hidden, cache = model(tokens, positions, cache, attend)
+    last = hidden[jnp.arange(tokens.shape[0]), lengths - 1]
+    return cache, model.logits(last)
 
 
 def _decode(params, cache, first_logits, next_pos, limit, rng, stops, temperature, pad_id, *,
             graphdef, policy, max_new_tokens, top_k, backend):
-  """Greedy or sampled decoding in one while_loop; returns (tokens [B, M], steps, cache)."""
+  """Greedy or sampled decoding in one while_loop; returns (tokens [B, M], steps, cache).
+
+  ``backend`` runs the paged attention and the policy's and packed weights' ops.
+  """
+  with backend_lib.use(backend):
+    return _decode_body(params, cache, first_logits, next_pos, limit, rng, stops, temperature,
+                        pad_id, graphdef=graphdef, policy=policy,
+                        max_new_tokens=max_new_tokens, top_k=top_k, backend=backend)
+
+
+def _decode_body(params, cache, first_logits, next_pos, limit, rng, stops, temperature, pad_id,
+                 *, graphdef, policy, max_new_tokens, top_k, backend):
   model = nnx.merge(graphdef, params)
   b = first_logits.shape[0]
 

@@ -110,3 +110,24 @@ def assert_cache_consistent(cache) -> None:
                          f"past their head's length hold positions")
   if free.size and ((positions[free] != -1).any() or (scores[free] != 0).any()):
     raise AssertionError("a free page still holds an entry (position or score)")
+
+
+def run_under_sanitizers(harness, sanitizers: str):
+  """Builds a C++ check of the native kernels with ``-fsanitize=sanitizers`` and runs it.
+
+  ``harness`` is a .cc file that includes a kernel source (found beside
+  kvjax.kernels.native) and exits 0 when its cases pass; the build stops at
+  the first sanitizer report (-fno-sanitize-recover). Returns the run's
+  CompletedProcess (text output).
+  """
+  import pathlib
+  import subprocess
+  import tempfile
+  from kvjax.kernels import native
+  with tempfile.TemporaryDirectory() as tmp:
+    exe = pathlib.Path(tmp) / "check"
+    subprocess.run([native.compiler(), "-std=c++17", "-O1", "-g", "-fopenmp-simd", "-w",
+                    f"-fsanitize={sanitizers}", "-fno-sanitize-recover=all", "-pthread",
+                    "-I", jax.ffi.include_dir(), "-I", str(native.SOURCES[0].parent),
+                    str(harness), "-o", str(exe)], check=True, capture_output=True, timeout=600)
+    return subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)

@@ -83,7 +83,8 @@ def test_wheel_ships_every_module(wheel):
   want = {p.relative_to(ROOT).as_posix() for p in (ROOT / "kvjax").rglob("*.py")}
   want |= {"kvjax/kernels/" + p.relative_to(ROOT / "kernels").as_posix()
            for p in (ROOT / "kernels").rglob("*.py")}
-  want |= {"kvjax/kernels/" + p.name for p in (ROOT / "kernels").glob("*.cc")}  # C++ sources
+  want |= {"kvjax/kernels/" + p.name  # C++ sources and headers
+           for pattern in ("*.cc", "*.h") for p in (ROOT / "kernels").glob(pattern)}
   want = {w for w in want if "__pycache__" not in w}
   assert not want - names, f"missing from the wheel: {sorted(want - names)}"
 

@@ -15,6 +15,7 @@ import numpy as np
 
 import kvjax
 from kvjax import backend as backend_lib
+from kvjax import testing
 from kvjax.kernels import native
 from kvjax.kernels.paged_attention import paged_attention_reference
 
@@ -158,14 +159,8 @@ class MemorySafetyTest(parameterized.TestCase):
     # never reach memory outside the pool, and its threads must not race (XLA
     # would not notice; the process would die later, or give wrong numbers).
     # Random shapes, out-of-range ids and lengths, 1-4 threads.
-    with tempfile.TemporaryDirectory() as tmp:
-      exe = pathlib.Path(tmp) / "check"
-      harness = pathlib.Path(__file__).with_name("paged_attention_cpu_check.cc")
-      subprocess.run([native._compiler(), "-std=c++17", "-O1", "-g", "-fopenmp-simd", "-w",
-                      f"-fsanitize={sanitizers}", "-fno-sanitize-recover=all", "-pthread",
-                      "-I", jax.ffi.include_dir(), "-I", str(native.SOURCE.parent),
-                      str(harness), "-o", str(exe)], check=True, capture_output=True, timeout=600)
-      done = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+    done = testing.run_under_sanitizers(
+        pathlib.Path(__file__).with_name("paged_attention_cpu_check.cc"), sanitizers)
     self.assertEqual(done.returncode, 0, done.stdout + done.stderr[-3000:])
     self.assertEqual(done.stdout.strip(), "300 cases")
 
@@ -183,16 +178,21 @@ class BuildTest(absltest.TestCase):
     self.assertEqual(first.stat().st_mtime_ns, mtime)
     self.assertEqual([p.name for p in first.parent.iterdir()], [first.name])  # no temp left
 
-  def test_changed_source_builds_afresh(self):
+  def test_changed_source_or_header_builds_afresh(self):
     root = self._tempdir()
-    changed = root / "src" / native.SOURCE.name
-    changed.parent.mkdir()
-    changed.write_text(native.SOURCE.read_text() + "\n// changed\n")
     first = native.build(root / "build")
-    with mock.patch.object(native, "SOURCE", changed):
-      second = native.build(root / "build")
-    self.assertNotEqual(first.parent, second.parent)
-    self.assertTrue(first.exists() and second.exists())
+    built = {first.parent}
+    for changed in (native.SOURCES[-1], native.HEADERS[0]):
+      src = root / f"src_{changed.stem}"
+      src.mkdir()
+      for f in native.SOURCES + native.HEADERS:
+        (src / f.name).write_text(f.read_text() + ("\n// changed\n" if f == changed else ""))
+      with mock.patch.multiple(native, SOURCES=tuple(src / f.name for f in native.SOURCES),
+                               HEADERS=tuple(src / f.name for f in native.HEADERS)):
+        library = native.build(root / "build")
+      self.assertTrue(library.exists())
+      built.add(library.parent)
+    self.assertLen(built, 3)
 
   def test_compiler_failures_raise_native_unavailable(self):
     root = self._tempdir()

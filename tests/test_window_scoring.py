@@ -212,9 +212,12 @@ class ValidationTest(parameterized.TestCase):
 
 class BackendTest(absltest.TestCase):
 
-  def test_every_op_has_both_backends(self):
+  def test_every_op_resolves_on_every_backend(self):
+    # The ops of packed weights and a prompt's attention have no Pallas kernel:
+    # a forced "pallas" runs their XLA form.
+    no_pallas = {"causal_attention", "quantized_matmul", "dequantize"}
     for op in backend_lib.ops():
-      self.assertEqual(backend_lib.resolve("pallas", op), "pallas")
+      self.assertEqual(backend_lib.resolve("pallas", op), "xla" if op in no_pallas else "pallas")
       self.assertEqual(backend_lib.resolve("xla", op), "xla")
       # These tests run on CPU: "auto" is native where the op has a C++ kernel.
       on_cpu = "native" if "native" in backend_lib._OPS[op] else "xla"

@@ -29,7 +29,10 @@ PACKAGE_DIRS = {"kvjax": "kvjax", "kernels": "kvjax.kernels"}
 EXTRA_LIB_DIRS = {"configs": "configs"}
 # Non-Python files a library reads at run time (module path -> data files).
 # Under kernels/ they are copied beside the module's copy, where it finds them.
-DATA_FILES = {"kernels/native.py": ["kernels/paged_attention_cpu.cc"]}
+DATA_FILES = {"kernels/native.py": ["kernels/causal_attention_cpu.cc", "kernels/cpu_math.h",
+                                    "kernels/cpu_parallel.h", "kernels/cpu_tile.h",
+                                    "kernels/paged_attention_cpu.cc",
+                                    "kernels/quantized_matmul_cpu.cc"]}
 TESTS_DIR = "tests"
 TOOLS_DIR = "tools"
 
@@ -60,7 +63,8 @@ PIP_NAMES = {
 
 # Tests that read the checkout itself (BUILD, pyproject, sources, the C++ test
 # harness) get it as data.
-SOURCE_TREE_TESTS = {"test_build_file", "test_packaging", "test_paged_attention_native"}
+SOURCE_TREE_TESTS = {"test_build_file", "test_packaging", "test_paged_attention_native",
+                     "test_causal_attention_native", "test_quantized"}
 SOURCE_TREE_GLOBS = [
     "BUILD", "*.md", "*.toml", "configs/**", "kernels/**", "kvjax/**", "tests/**", "tools/**",
 ]

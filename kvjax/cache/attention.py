@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from kvjax import backend as backend_lib
 from kvjax.cache.paged import EMPTY, PagedKVCache, check_array
+from kvjax.kernels import causal_attention as causal_attention_lib
 from kvjax.kernels.paged_attention import gather_pages
 
 
@@ -37,72 +38,22 @@ class Prompt(NamedTuple):
 # select(layer, prompt, q, k, v) -> (slots [B, K, T] (-1 = drop), slot scores [B, K, T] | None).
 SelectFn = Callable[..., tuple[jax.Array, jax.Array | None]]
 
-# Tokens per query and key block of the prefill's causal attention. On a 2-core
-# CPU, 512 prefilled SmolLM2 12-17% faster than 256 at 4K-8K tokens, with the
-# same scratch memory (docs/results/vs_kvpress.md).
-PREFILL_BLOCK = 512
+# Tokens per query and key block of the prefill's causal attention (XLA form).
+PREFILL_BLOCK = causal_attention_lib.PREFILL_BLOCK
 
 
 def causal_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, *, block: int = PREFILL_BLOCK
 ) -> jax.Array:
-  """Causal GQA attention over a right-padded prompt, blockwise (flash-style).
+  """Causal GQA attention over a right-padded prompt: q [B, T, N, H], k, v [B, T, K, H] -> [B, T, N, H].
 
-  Queries and keys are cut into blocks of ``block`` tokens; each query block
-  visits only the key blocks at or before it, with an online softmax, so no
-  T x T matrix exists and the masked upper triangle costs nothing.
-
-  Args:
-    q: [B, T, N, H]; k, v: [B, T, K, H] (RoPE applied). Padding sits after each
-      sequence's tokens, so the causal mask alone keeps valid queries clean.
-    block: tokens per query and key block; peak logits are [B, N, block, block].
-
-  Returns:
-    [B, T, N, H] in q's dtype.
+  The ambient backend's ``causal_attention`` op (``kvjax.backend``): on CPU the
+  native flash-attention kernel, elsewhere the blockwise XLA form
+  (``kvjax.kernels.causal_attention.causal_attention_reference``, whose
+  ``block`` sets the tiles; the native kernel has its own). Padding sits after
+  each sequence's tokens, so the causal mask alone keeps valid queries clean.
   """
-  b, t, n, h = q.shape
-  kh = k.shape[2]
-  g = n // kh
-  c = min(block, t)
-  num_blocks = -(-t // c)
-  pad = ((0, 0), (0, num_blocks * c - t), (0, 0), (0, 0))
-  # Blocks lead, and a KV head's G query heads are folded into the query rows
-  # ([NB, B, K, G*C, H]), so each step is one batched matmul over (B, K) with
-  # no transpose inside the loops: on a CPU that is most of attention's cost.
-  qb = (jnp.pad(q, pad).astype(jnp.float32) * (h ** -0.5)).reshape(
-      b, num_blocks, c, kh, g, h).transpose(1, 0, 3, 4, 2, 5).reshape(num_blocks, b, kh, g * c, h)
-  kb = jnp.pad(k, pad).reshape(b, num_blocks, c, kh, h).transpose(1, 0, 3, 2, 4)  # [NB, B, K, C, H]
-  vb = jnp.pad(v, pad).reshape(b, num_blocks, c, kh, h).transpose(1, 0, 3, 2, 4)
-  diagonal = jnp.tile(jnp.arange(c)[:, None] >= jnp.arange(c)[None, :], (g, 1))  # [G*C, C]
-
-  def key_block(carry, qi, kj, vj, mask=None):
-    running_max, denom, acc = carry
-    logits = jnp.einsum("bkmh,bksh->bkms", qi, kj, preferred_element_type=jnp.float32)
-    if mask is not None:
-      logits = jnp.where(mask, logits, -jnp.inf)
-    new_max = jnp.maximum(running_max, logits.max(-1))
-    p = jnp.exp(logits - new_max[..., None])
-    rescale = jnp.exp(running_max - new_max)
-    denom = denom * rescale + p.sum(-1)
-    acc = acc * rescale[..., None] + jnp.einsum("bkms,bksh->bkmh", p, vj,
-                                                preferred_element_type=jnp.float32)
-    return new_max, denom, acc
-
-  def query_block(i, blocks):
-    qi = blocks[i]  # [B, K, G*C, H]
-    init = (jnp.full((b, kh, g * c), -jnp.inf), jnp.zeros((b, kh, g * c)),
-            jnp.zeros((b, kh, g * c, h)))
-    # Key blocks before the diagonal need no mask; the diagonal block comes last.
-    carry = jax.lax.fori_loop(0, i, lambda j, carry: key_block(carry, qi, kb[j], vb[j]), init)
-    _, denom, acc = key_block(carry, qi, kb[i], vb[i], diagonal)
-    # Block i's output takes the place of its queries, which nothing reads
-    # again: no output buffer (whose zero-filling XLA would be free to hoist
-    # to the start of an unrolled model, one per layer, all alive at once).
-    return blocks.at[i].set(acc / denom[..., None])
-
-  out = jax.lax.fori_loop(0, num_blocks, query_block, qb)  # [NB, B, K, G*C, H]
-  out = out.reshape(num_blocks, b, kh, g, c, h).transpose(1, 0, 4, 2, 3, 5)
-  return out.reshape(b, num_blocks * c, n, h)[:, :t].astype(q.dtype)
+  return backend_lib.get("causal_attention")(q, k, v, block=block)
 
 
 def _check_qkv(cache: PagedKVCache, q, k, v, positions, t: int | None = None) -> None:
@@ -222,12 +173,32 @@ def extend_attention(
   """
   _check_qkv(cache, q, k, v, positions)
   check_array("lengths", lengths, "[B]", (q.shape[0],), "int")
+  cache, out, _ = _append_and_attend(cache, layer, q, k, v, positions, lengths)
+  return cache, out
+
+
+def _append_and_attend(cache, layer, q, k, v, positions, lengths):
+  """``extend_attention`` without the checks; also returns the layer's stored
+  (keys, values) [B, K, S, H] as read after the append (chunk_attention scores
+  them: one read of the pools serves both)."""
   b, c, n, h = q.shape
   kh = k.shape[2]
   g = n // kh
-  table, cached = cache.layer_view(layer)
-  keys = gather_pages(cache.k_pages, table).astype(jnp.float32)  # [B, K, S, H]
-  values = gather_pages(cache.v_pages, table).astype(jnp.float32)
+  _, cached = cache.layer_view(layer)
+  valid = jnp.arange(c)[None, :] < lengths[:, None]  # [B, C]
+  slots = jnp.where(valid[:, None, :], cached[..., None] + jnp.arange(c), EMPTY)  # [B, K, C]
+  cache = cache.set_lengths(layer, cached + lengths[:, None])
+  cache = cache.reserve(cache.lengths)
+  cache = cache.write(layer, k, v, slots, positions)
+  # The chunk is written first and the cached entries read after, from the
+  # written pools (the write leaves slots below `cached` as they were): with
+  # every read after the write, XLA updates the pools in place. Read first,
+  # the pools were copied instead, both of them in every layer (2 x 36 MB a
+  # layer for SmolLM2 at budget 1024 in a chunked prefill).
+  table, _ = cache.layer_view(layer)
+  stored_k = gather_pages(cache.k_pages, table)  # [B, K, S, H]
+  stored_v = gather_pages(cache.v_pages, table)
+  keys, values = stored_k.astype(jnp.float32), stored_v.astype(jnp.float32)
   # A KV head's G query heads are folded into the rows ([B, K, G*C, H]), so each
   # product is one batched matmul over (B, K) with no transpose: with the query
   # heads as an axis of their own this took 4x as long on a CPU.
@@ -235,7 +206,7 @@ def extend_attention(
       0, 2, 3, 1, 4).reshape(b, kh, g * c, h)
   chunk_k = jnp.swapaxes(k.astype(jnp.float32), 1, 2)  # [B, K, C, H]
   chunk_v = jnp.swapaxes(v.astype(jnp.float32), 1, 2)
-  filled = jnp.arange(keys.shape[2]) < cached[..., None]  # [B, K, S]
+  filled = jnp.arange(keys.shape[2]) < cached[..., None]  # [B, K, S]: the entries before the chunk
   old = jnp.where(filled[:, :, None], jnp.einsum("bkmh,bksh->bkms", qg, keys), -jnp.inf)
   # Slots past a head's length may hold anything (another sequence's page 0 for
   # absent pages): a zero weight would not cancel a NaN or Inf value there.
@@ -250,12 +221,7 @@ def extend_attention(
          + jnp.einsum("bkmc,bkch->bkmh", p_new, chunk_v))
   out = out / (p_old.sum(-1) + p_new.sum(-1))[..., None]
   out = out.reshape(b, kh, g, c, h).transpose(0, 3, 1, 2, 4)  # [B, C, K, G, H]
-  valid = jnp.arange(c)[None, :] < lengths[:, None]  # [B, C]
-  slots = jnp.where(valid[:, None, :], cached[..., None] + jnp.arange(c), EMPTY)  # [B, K, C]
-  cache = cache.set_lengths(layer, cached + lengths[:, None])
-  cache = cache.reserve(cache.lengths)
-  cache = cache.write(layer, k, v, slots, positions)
-  return cache, out.reshape(b, c, n, h).astype(q.dtype)
+  return cache, out.reshape(b, c, n, h).astype(q.dtype), (stored_k, stored_v)
 
 
 def chunk_attention(
@@ -292,15 +258,16 @@ def chunk_attention(
   Returns:
     (cache with the chunk appended and each head compressed, out [B, C, N, H]).
   """
+  _check_qkv(cache, q, k, v, positions)
+  check_array("lengths", lengths, "[B]", (q.shape[0],), "int")
   _, cached = cache.layer_view(layer)
-  cache, out = extend_attention(cache, layer, q, k, v, positions, lengths)
+  cache, out, (keys, values) = _append_and_attend(cache, layer, q, k, v, positions, lengths)
   b, c, n, h = q.shape
   kh = k.shape[2]
   table, filled = cache.layer_view(layer)
   s = table.shape[-1] * cache.page_size
   # Each (sequence, KV head) becomes a sequence of its own: [B * K, S, 1, H].
-  keys = gather_pages(cache.k_pages, table).reshape(b * kh, s, 1, h)
-  values = gather_pages(cache.v_pages, table).reshape(b * kh, s, 1, h)
+  keys, values = keys.reshape(b * kh, s, 1, h), values.reshape(b * kh, s, 1, h)
   slot_pos = gather_pages(cache.positions, table).reshape(b * kh, s)
   # The chunk's queries of group k sit on the slots the chunk was appended to.
   slot = cached[..., None] + jnp.arange(c)  # [B, K, C]
@@ -316,7 +283,12 @@ def chunk_attention(
   # A sequence without new tokens keeps everything (its heads did not change).
   keep = jnp.where((lengths > 0)[:, None, None], keep,
                    jnp.where(jnp.arange(s) < filled[..., None], jnp.arange(s), EMPTY))
-  return cache.compact(layer, keep), out
+  # The compaction rewrites the pools in place only once the attention has read
+  # them; nothing else orders the two (a policy need not score the values), and
+  # XLA would copy the pools instead.
+  keep, out, k_pages, v_pages = jax.lax.optimization_barrier(
+      (keep, out, cache.k_pages, cache.v_pages))
+  return cache.replace(k_pages=k_pages, v_pages=v_pages).compact(layer, keep), out
 
 
 def decode_attention(

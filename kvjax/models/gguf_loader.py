@@ -20,6 +20,12 @@ config.py):
 
 Query and key heads use the Hugging Face "rotate half" RoPE layout: llama.cpp
 interleaves the two RoPE halves of each head, and this loader undoes that.
+
+With ``packed=True`` the matrices stored in a block format that kvjax's
+kernels read (Q4_1, Q8_0: ``kvjax.kernels.quantized``) stay as the file's
+blocks, uint8 rows ``[D_out, R]`` (stacked ``[L, D_out, R]``; the embedding
+and lm_head ``[V, R]``), in place of the float arrays; other tensors are
+dequantized as above.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from typing import Any
 import gguf
 import numpy as np
 
+from kvjax.kernels import quantized
 from kvjax.models.config import LlamaConfig, RopeScaling
 
 # Per-layer GGUF tensor stem -> canonical key. Every one is required.
@@ -282,11 +289,19 @@ def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
   return np.array(values, np.float32).reshape(tuple(reversed(tensor.shape.tolist())))
 
 
-def load_gguf(path: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.ndarray], GGUFMetadata]:
-  """Reads a Llama GGUF file into float32 canonical weights.
+def _packable(tensor: gguf.ReaderTensor) -> bool:
+  """Whether kvjax's kernels read this matrix's blocks as stored."""
+  return (len(tensor.shape) == 2 and tensor.tensor_type.name in quantized.FORMATS
+          and int(tensor.shape[0]) % quantized.BLOCK == 0)
+
+
+def load_gguf(path: str | os.PathLike, *, packed: bool = False
+              ) -> tuple[LlamaConfig, dict[str, np.ndarray], GGUFMetadata]:
+  """Reads a Llama GGUF file into canonical weights (float32, or packed blocks).
 
   Args:
     path: a .gguf file whose general.architecture is "llama".
+    packed: keep Q4_1 / Q8_0 matrices as their blocks (see the module docstring).
 
   Returns:
     (config, weights, metadata): weights as described in the module docstring,
@@ -308,31 +323,48 @@ def load_gguf(path: str | os.PathLike) -> tuple[LlamaConfig, dict[str, np.ndarra
   config = _config(meta, tensors, rope_freqs)
   shapes = canonical_shapes(config)
 
-  def fetch(name: str, want: tuple[int, ...]) -> np.ndarray:
-    """GGUF tensor `name` as float32 [out, in] (or [D]), shape-checked."""
+  def keep_packed(names: list[str]) -> bool:
+    """Whether to keep these tensors' blocks: one packable format for all (a stack's layers)."""
+    found = [tensors.get(n) for n in names]
+    return (packed and all(t is not None and _packable(t) for t in found)
+            and len({t.tensor_type for t in found}) == 1)
+
+  def fetch(name: str, want: tuple[int, ...], keep: bool = False) -> np.ndarray:
+    """GGUF tensor `name` as float32 [out, in] (or [D]), or its rows of blocks; shape-checked."""
     if name not in tensors:
       raise ValueError(f"{path}: required tensor {name!r} is missing")
-    got = tuple(int(x) for x in reversed(tensors[name].shape.tolist()))
+    tensor = tensors[name]
+    got = tuple(int(x) for x in reversed(tensor.shape.tolist()))
     if got != want:
       raise ValueError(f"{path}: tensor {name!r} expected shape {want}, got {got}")
-    return _dequantize(tensors[name])
+    if keep:
+      return np.array(tensor.data, np.uint8).reshape(got[0], -1)  # a copy: no view of the file
+    return _dequantize(tensor)
 
-  weights = {"embed": fetch("token_embd.weight", shapes["embed"]),
+  # The embedding is [V, D], float or packed; lm_head [D, V] float or [V, R] packed.
+  weights = {"embed": fetch("token_embd.weight", shapes["embed"],
+                            keep_packed(["token_embd.weight"])),
              "final_norm": fetch("output_norm.weight", shapes["final_norm"])}
   if not config.tie_embeddings:
-    weights["lm_head"] = fetch("output.weight", shapes["lm_head"][::-1]).T.copy()
+    keep = keep_packed(["output.weight"])
+    head = fetch("output.weight", shapes["lm_head"][::-1], keep)
+    weights["lm_head"] = head if keep else head.T.copy()
 
-  # Fill preallocated stacks layer by layer so peak memory stays near one copy.
+  # Fill stacks layer by layer so peak memory stays near one copy.
   for stem, key in _LAYER_TENSORS.items():
-    weights[key] = np.empty(shapes[key], np.float32)
-  for i in range(config.num_layers):
-    for stem, key in _LAYER_TENSORS.items():
-      per_layer = shapes[key][1:]
-      # GGUF matrices are [out, in]; canonical ones are [in, out].
-      w = fetch(f"blk.{i}.{stem}.weight", per_layer[::-1])
+    per_layer = shapes[key][1:]
+    names = [f"blk.{i}.{stem}.weight" for i in range(config.num_layers)]
+    keep = len(per_layer) == 2 and keep_packed(names)
+    for i, name in enumerate(names):
+      # GGUF matrices are [out, in] (canonical float ones [in, out]); RoPE rows
+      # are reordered before the transpose.
+      w = fetch(name, per_layer[::-1], keep)
       if stem == "attn_q":
         w = unpermute_rope_rows(w, config.num_heads)
       elif stem == "attn_k":
         w = unpermute_rope_rows(w, config.num_kv_heads)
-      weights[key][i] = w.T
+      w = w if keep else w.T
+      if i == 0:
+        weights[key] = np.empty((config.num_layers, *w.shape), w.dtype)
+      weights[key][i] = w
   return config, weights, meta

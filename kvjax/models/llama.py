@@ -10,6 +10,12 @@ Two layouts of the layers (``scan_layers``):
                   (SmolLM2 on a 2-core CPU, budget 1024: 69 -> 51 ms per
                   step). For long decodes.
 
+Matrices are float (``[D_in, D_out]``; the embedding ``[V, D]``) or packed
+GGUF blocks (``[D_out, R]`` uint8, ``kvjax.kernels.quantized``; the embedding
+``[V, R]``), as ``kvjax.load(..., packed=True)`` keeps them: ``matmul`` and
+``embed`` read either, the packed ones through the ambient backend's kernels
+(``kvjax.backend.use``).
+
 Attention is delegated to an ``attend`` function, which is how the paged cache
 (kvjax.cache) plugs in:
 
@@ -28,6 +34,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kvjax import backend as backend_lib
+from kvjax.kernels import quantized
 from kvjax.models import rope as rope_lib
 from kvjax.models.config import LlamaConfig
 
@@ -37,6 +45,22 @@ AttendFn = Callable[[Any, jax.Array, jax.Array, jax.Array, jax.Array], tuple[Any
 def _dense(rngs: nnx.Rngs, d_in: int, d_out: int, dtype) -> nnx.Param:
   init = jax.nn.initializers.normal(stddev=d_in ** -0.5)
   return nnx.Param(init(rngs.params(), (d_in, d_out), dtype))
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x [..., D_in] times a layer matrix: float w [D_in, D_out], or packed rows [D_out, R]."""
+  if quantized.is_packed(w):
+    return backend_lib.get("quantized_matmul")(x, w).astype(x.dtype)
+  return x @ w
+
+
+def embed(table: jax.Array, tokens: jax.Array, width: int, dtype) -> jax.Array:
+  """Rows of the embedding (float [V, D], or packed [V, R]) for tokens [B, T] -> [B, T, D]."""
+  rows = table[tokens]
+  if not quantized.is_packed(table):
+    return rows
+  flat = rows.reshape(-1, rows.shape[-1])
+  return backend_lib.get("dequantize")(flat, width).reshape(*tokens.shape, width).astype(dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -76,7 +100,7 @@ class DecoderLayer(nnx.Module):
     """x [B, T, D] -> q [B, T, N, H], k and v [B, T, K, H], RoPE applied."""
     c = self.config
     b, t, _ = x.shape
-    qkv = x @ self.wqkv[...]
+    qkv = matmul(x, self.wqkv[...])
     if c.attention_bias:
       qkv = qkv + self.bqkv[...]
     q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -89,9 +113,9 @@ class DecoderLayer(nnx.Module):
     b, t, _ = x.shape
     q, k, v = self.qkv(self.attn_norm(x), cos, sin)
     state, attn = attend(state, layer, q, k, v)
-    x = x + attn.reshape(b, t, -1) @ self.wo[...]
-    gate, up = jnp.split(self.mlp_norm(x) @ self.w_gate_up[...], 2, axis=-1)
-    x = x + (jax.nn.silu(gate) * up) @ self.w_down[...]
+    x = x + matmul(attn.reshape(b, t, -1), self.wo[...])
+    gate, up = jnp.split(matmul(self.mlp_norm(x), self.w_gate_up[...]), 2, axis=-1)
+    x = x + matmul(jax.nn.silu(gate) * up, self.w_down[...])
     return x, state
 
 
@@ -132,7 +156,7 @@ class Llama(nnx.Module):
     Returns:
       (hidden [B, T, D] after the final norm, state).
     """
-    x = self.embed[...][tokens]
+    x = embed(self.embed[...], tokens, self.config.hidden_size, self.final_norm.scale[...].dtype)
     cos, sin = rope_lib.cos_sin(self.config, positions)
     if not self.scan_layers:
       for i, layer in enumerate(self.layers):
@@ -152,11 +176,12 @@ class Llama(nnx.Module):
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """hidden [..., D] -> float32 logits [..., V]."""
+    table = self.embed[...] if self.config.tie_embeddings else self.lm_head[...]
+    if quantized.is_packed(table):  # [V, R] rows either way
+      return backend_lib.get("quantized_matmul")(hidden, table)
     if self.config.tie_embeddings:
       # Contract the embedding's own D axis. Written as embed.T, XLA:CPU
       # transposed the [V, D] matrix inside the product: 7.7 ms of a SmolLM2
       # decode step on a 2-core CPU, against 6.3 ms in this form.
-      return jnp.einsum("...d,vd->...v", hidden, self.embed[...],
-                        preferred_element_type=jnp.float32)
-    return jnp.einsum("...d,dv->...v", hidden, self.lm_head[...],
-                      preferred_element_type=jnp.float32)
+      return jnp.einsum("...d,vd->...v", hidden, table, preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,dv->...v", hidden, table, preferred_element_type=jnp.float32)

