@@ -79,6 +79,9 @@ flags.DEFINE_integer("prefill_chunk", 0,
 flags.DEFINE_bool("scan_layers", True,
                   "kvjax's layers stacked under lax.scan; --noscan_layers gives each layer its "
                   "own weights and unrolls them (faster decode steps, slower compilation).")
+flags.DEFINE_bool("packed", False,
+                  "kvjax keeps the GGUF's Q4_1 / Q8_0 matrices as their blocks (the same weight "
+                  "values as transformers' float32 copy, read in place by the products).")
 flags.DEFINE_string("omp_wait_policy", "PASSIVE",
                     "OMP_WAIT_POLICY of the kvpress process ('' = as in the environment).")
 flags.DEFINE_string("out", "results/vs_kvpress", "Output folder.")
@@ -93,7 +96,7 @@ WARMUP_TOKENS = 512  # the short warm-up prompt
 MIB = 2**20
 # What makes a row: configurations already in results.jsonl are not run again.
 KEY_FIELDS = ("side", "policy", "context_length", "budget", "decode_steps", "window",
-              "query_aware", "warmup", "repeats", "prefill_chunk")
+              "query_aware", "warmup", "repeats", "prefill_chunk", "scan_layers", "packed")
 
 
 class UsageError(Exception):
@@ -144,7 +147,7 @@ def _kvjax_side(prompt):
   """Runs one configuration on kvjax; returns the measured fields."""
   import jax
   import kvjax
-  lm = kvjax.load(prompt["model_path"], scan_layers=FLAGS.scan_layers)
+  lm = kvjax.load(prompt["model_path"], scan_layers=FLAGS.scan_layers, packed=FLAGS.packed)
   name = FLAGS.policy
   policy = _policy(name)
 
@@ -172,7 +175,8 @@ def _kvjax_side(prompt):
       baseline_rss_bytes=baseline, peak_rss_bytes=peak,
       peak_rss_kind="VmHWM of the timed runs" if reset else "ru_maxrss (process lifetime)",
       token_ids=runs[0][1], backend=f"jax {jax.default_backend()} ({stats[0].backend} kernels, "
-                                     f"layers {'scanned' if lm.scan_layers else 'unrolled'})")
+                                     f"layers {'scanned' if lm.scan_layers else 'unrolled'}"
+                                     f"{', packed weights' if lm.packed else ''})")
 
 
 def _prefill_chunk(side, policy):
@@ -346,6 +350,7 @@ def _run_child(side, policy, prompt_path):
           f"--decode_steps={FLAGS.decode_steps}", f"--repeats={FLAGS.repeats}",
           f"--window={FLAGS.window}", f"--warmup={FLAGS.warmup}",
           f"--query_aware={FLAGS.query_aware}", f"--scan_layers={FLAGS.scan_layers}",
+          f"--packed={FLAGS.packed}",
           f"--prefill_chunk={FLAGS.prefill_chunk}"]
   env = dict(os.environ, HF_HUB_OFFLINE="1", TQDM_DISABLE="1", TRANSFORMERS_VERBOSITY="error")
   if side == "kvpress" and FLAGS.omp_wait_policy:
@@ -398,7 +403,10 @@ def _parent(out_dir):
                   budget=None if policy == "full" else FLAGS.budget,
                   decode_steps=FLAGS.decode_steps, window=FLAGS.window,
                   query_aware=FLAGS.query_aware, warmup=FLAGS.warmup, repeats=FLAGS.repeats,
-                  prefill_chunk=_prefill_chunk(side, policy))
+                  prefill_chunk=_prefill_chunk(side, policy),
+                  # kvjax's model options (None on the kvpress side, whose rows they share)
+                  scan_layers=FLAGS.scan_layers if side == "kvjax" else None,
+                  packed=FLAGS.packed if side == "kvjax" else None)
     if _key(config) in done:
       rows.append(done[_key(config)])
       continue

@@ -32,6 +32,8 @@ flags.DEFINE_integer("page_size", 16, "Slots per cache page.")
 flags.DEFINE_enum("backend", "auto", ["auto", "xla", "pallas", "native"], "Paged attention implementation.")
 flags.DEFINE_bool("scan_layers", True, "Stacked layers under lax.scan; --noscan_layers gives each "
                   "layer its own weights and unrolls them: faster decode steps, slower compilation.")
+flags.DEFINE_bool("packed", False, "Keep a GGUF model's Q4_1 / Q8_0 matrices as their blocks "
+                  "(the same weights, read in place by the products; see kvjax.load).")
 
 
 class UsageError(Exception):
@@ -56,7 +58,7 @@ def _prompt(lm):
 def _run() -> None:
   import kvjax
   try:
-    lm = kvjax.load(FLAGS.model, scan_layers=FLAGS.scan_layers)
+    lm = kvjax.load(FLAGS.model, scan_layers=FLAGS.scan_layers, packed=FLAGS.packed)
     prompt, answer = _prompt(lm)
     result = kvjax.generate(
         lm, [prompt], policy=FLAGS.policy, budget=FLAGS.budget,
@@ -71,7 +73,7 @@ def _run() -> None:
   if answer is not None:
     print(f"expected     {answer!r}  ({'correct' if answer in result.texts[0] else 'wrong'})")
   print(f"policy       {s.policy}, budget {s.budget}, backend {s.backend}, layers "
-        f"{'scanned' if lm.scan_layers else 'unrolled'}")
+        f"{'scanned' if lm.scan_layers else 'unrolled'}{', packed weights' if lm.packed else ''}")
   print(f"kv cache     {s.kv_bytes / 2**20:.1f} MiB allocated")
   print(f"prefill      {s.prefill_s:.3f} s ({s.prompt_tokens[0] / s.prefill_s:.0f} tokens/s)")
   print(f"decode       {s.generated_tokens[0]} tokens in {s.decode_s:.3f} s "

@@ -46,6 +46,9 @@ flags.DEFINE_integer("window", _D.window, "Observation window of window-scored p
 flags.DEFINE_bool("scan_layers", _D.scan_layers,
                   "Stacked layers under lax.scan; --noscan_layers gives each layer its own "
                   "weights and unrolls them: faster decode steps, slower compilation.")
+flags.DEFINE_bool("packed", _D.packed,
+                  "Keep a GGUF model's Q4_1 / Q8_0 matrices as their blocks (the same weights, "
+                  "read in place by the products; see kvjax.load).")
 flags.DEFINE_bool("isolate", True, "Run each configuration in its own process (own peak memory).")
 flags.DEFINE_string("out", "results/bench", "Output folder.")
 flags.DEFINE_string("child", None, "Internal: run one configuration (JSON) and print its row.")
@@ -79,7 +82,7 @@ def configs() -> list[runner.BenchConfig]:
       context_length=n, batch_size=FLAGS.batch_size, decode_steps=FLAGS.decode_steps,
       prefill_chunk=FLAGS.prefill_chunk if p != "full" else 0, backend=FLAGS.backend,
       fill=FLAGS.fill, repeats=FLAGS.repeats, window=FLAGS.window,
-      scan_layers=FLAGS.scan_layers)
+      scan_layers=FLAGS.scan_layers, packed=FLAGS.packed)
       for n in _ints("context_lengths") for p in FLAGS.policies]
 
 
@@ -117,7 +120,7 @@ def main(argv) -> None:
         else:
           if lm is None:
             import kvjax
-            lm = kvjax.load(cfg.model, scan_layers=cfg.scan_layers)
+            lm = kvjax.load(cfg.model, scan_layers=cfg.scan_layers, packed=cfg.packed)
           row = runner.measure(cfg, lm)
       except (ValueError, RuntimeError) as e:
         cli.fail(str(e))

@@ -25,7 +25,8 @@ def summary_markdown(rows: list[dict]) -> str:
   r0 = rows[0]
   lines = [f"# Benchmark ({r0['model']}, batch {r0['batch_size']}, {r0['device']}, "
            f"backend {r0['backend']}, layers "
-           f"{'scanned' if r0.get('scan_layers', True) else 'unrolled'})", "",
+           f"{'scanned' if r0.get('scan_layers', True) else 'unrolled'}"
+           f"{', packed weights' if r0.get('packed') else ''})", "",
            "Columns: context length in tokens. `*` marks a cache filled with synthetic keys "
            "and values (no prefill). Decode times are the best of the repeats after a "
            "warm-up.", "", "## Decode ms per token", "", head, rule]

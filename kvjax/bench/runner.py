@@ -40,6 +40,7 @@ class BenchConfig:
   window: int = 16  # observation window of window-scored policies (0 = policy default)
   page_size: int = 16
   scan_layers: bool = True  # False: per-layer weights, layers unrolled (kvjax.load)
+  packed: bool = False  # GGUF Q4_1 / Q8_0 matrices kept as their blocks (kvjax.load)
 
 
 def peak_rss_bytes() -> int:
@@ -69,7 +70,7 @@ def measure(cfg: BenchConfig, lm=None) -> dict:
   """Runs one configuration; returns its row (timings, bytes, how the cache was filled)."""
   import kvjax
   if lm is None:
-    lm = kvjax.load(cfg.model, scan_layers=cfg.scan_layers)
+    lm = kvjax.load(cfg.model, scan_layers=cfg.scan_layers, packed=cfg.packed)
   fits = cfg.context_length + cfg.decode_steps <= lm.config.max_position_embeddings
   fill = cfg.fill if cfg.fill != "auto" else ("prompt" if fits else "synthetic")
   if fill == "prompt" and not fits:
@@ -89,6 +90,7 @@ def measure(cfg: BenchConfig, lm=None) -> dict:
       "budget": cfg.budget, "context_length": cfg.context_length,
       "batch_size": cfg.batch_size, "decode_steps": steps, "prefill_chunk": cfg.prefill_chunk,
       "fill": fill, "backend": kvjax.backend.resolve(cfg.backend), "scan_layers": lm.scan_layers,
+      "packed": lm.packed,
       "device": jax.devices()[0].platform,
       "decode_ms_per_token": 1e3 * decode_s / steps,
       "decode_tokens_per_s": cfg.batch_size * steps / decode_s,
