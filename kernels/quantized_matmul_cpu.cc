@@ -324,7 +324,7 @@ void Dequantize(const uint8_t* w, int64_t d_in, int64_t d_out, int32_t format, b
   });
 }
 
-std::string Shape(ffi::Span<const int64_t> dims) {
+std::string DimsText(ffi::Span<const int64_t> dims) {
   std::string s = "[";
   for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
   return s + "]";
@@ -336,7 +336,7 @@ std::string CheckWeights(const char* name, ffi::Span<const int64_t> wd, int64_t 
   const int64_t bytes = BlockBytes(format);
   if (bytes == 0) return std::string(name) + ": unknown format " + std::to_string(format);
   if (wd.size() != 2 || d_in <= 0 || d_in % kBlock != 0 || wd[1] != d_in / kBlock * bytes) {
-    return std::string(name) + ": weights " + Shape(wd) + " are not [D_out, D_in / 32 * " +
+    return std::string(name) + ": weights " + DimsText(wd) + " are not [D_out, D_in / 32 * " +
            std::to_string(bytes) + "] for D_in = " + std::to_string(d_in);
   }
   return "";
@@ -346,10 +346,10 @@ ffi::Error QuantizedMatmulCpu(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                               ffi::ResultBuffer<ffi::F32> out, int32_t format,
                               ffi::ThreadPool pool) {
   const auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
-  std::string error = xd.size() != 2 ? "kvjax_quantized_matmul_cpu: x " + Shape(xd) + " is not [M, D_in]"
+  std::string error = xd.size() != 2 ? "kvjax_quantized_matmul_cpu: x " + DimsText(xd) + " is not [M, D_in]"
                                      : CheckWeights("kvjax_quantized_matmul_cpu", wd, xd[1], format);
   if (error.empty() && (od.size() != 2 || od[0] != xd[0] || od[1] != wd[0])) {
-    error = "kvjax_quantized_matmul_cpu: out " + Shape(od) + " is not [M, D_out]";
+    error = "kvjax_quantized_matmul_cpu: out " + DimsText(od) + " is not [M, D_out]";
   }
   if (!error.empty()) return ffi::Error::InvalidArgument(error);
   QuantizedMatmul(x.typed_data(), w.typed_data(), xd[0], xd[1], wd[0], format,
@@ -364,7 +364,7 @@ ffi::Error DequantizeCpu(ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> out
   const int64_t d_in = od.size() == 2 ? od[transpose ? 0 : 1] : 0;
   std::string error = CheckWeights("kvjax_dequantize_cpu", wd, d_in, format);
   if (error.empty() && od[transpose ? 1 : 0] != wd[0]) {
-    error = "kvjax_dequantize_cpu: out " + Shape(od) + " does not match weights " + Shape(wd);
+    error = "kvjax_dequantize_cpu: out " + DimsText(od) + " does not match weights " + DimsText(wd);
   }
   if (!error.empty()) return ffi::Error::InvalidArgument(error);
   Dequantize(w.typed_data(), d_in, wd[0], format, transpose != 0, out->typed_data(),

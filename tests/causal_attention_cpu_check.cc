@@ -1,6 +1,4 @@
-// Memory-safety and thread check of kernels/causal_attention_cpu.cc, built with
-// AddressSanitizer and UBSan, and with ThreadSanitizer, by
-// tests/test_causal_attention_native.py.
+// Memory-safety and thread check of kernels/causal_attention_cpu.cc, run by tests/native_cpu_check.cc.
 //
 // Random shapes (head dims that are not a multiple of 16, prompts shorter and
 // longer than a block), every buffer its own heap allocation of exactly its
@@ -15,7 +13,7 @@
 
 #include "causal_attention_cpu.cc"
 
-int main() {
+int CheckCausalAttention() {
   std::mt19937 rng(0);
   auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   std::normal_distribution<float> normal;
@@ -62,6 +60,6 @@ int main() {
       }
     }
   }
-  std::printf("%d cases\n", kCases);
+  std::printf("causal attention: %d cases\n", kCases);
   return 0;
 }

@@ -1,6 +1,4 @@
-// Memory-safety check of kernels/paged_attention_cpu.cc, built with
-// AddressSanitizer and UBSan, and with ThreadSanitizer, by
-// tests/test_paged_attention_native.py.
+// Memory-safety and thread check of kernels/paged_attention_cpu.cc, run by tests/native_cpu_check.cc.
 //
 // Random shapes, page ids out of [0, P) and lengths out of [0, P_max * S_page);
 // every buffer is its own heap allocation of exactly its size, so a read or
@@ -15,7 +13,7 @@
 
 #include "paged_attention_cpu.cc"
 
-int main() {
+int CheckPagedAttention() {
   std::mt19937 rng(0);
   auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   std::normal_distribution<float> normal;
@@ -46,6 +44,6 @@ int main() {
       }
     }
   }
-  std::printf("%d cases\n", kCases);
+  std::printf("paged attention: %d cases\n", kCases);
   return 0;
 }

@@ -1,5 +1,4 @@
-// Memory-safety and thread check of kernels/quantized_matmul_cpu.cc, built with
-// AddressSanitizer and UBSan, and with ThreadSanitizer, by tests/test_quantized.py.
+// Memory-safety and thread check of kernels/quantized_matmul_cpu.cc, run by tests/native_cpu_check.cc.
 //
 // Random shapes (rows of x, D_in, D_out, both formats), every buffer its own
 // heap allocation of exactly its size, 1-4 threads; the product and both
@@ -31,7 +30,7 @@ float Weight(const std::vector<uint8_t>& w, int32_t format, int64_t d_in, int64_
 
 }  // namespace
 
-int main() {
+int CheckQuantizedMatmul() {
   std::mt19937 rng(0);
   auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   std::normal_distribution<float> normal;
@@ -83,6 +82,6 @@ int main() {
       }
     }
   }
-  std::printf("%d cases\n", kCases);
+  std::printf("quantized matmul: %d cases\n", kCases);
   return 0;
 }

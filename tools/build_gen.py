@@ -64,7 +64,7 @@ PIP_NAMES = {
 # Tests that read the checkout itself (BUILD, pyproject, sources, the C++ test
 # harness) get it as data.
 SOURCE_TREE_TESTS = {"test_build_file", "test_packaging", "test_paged_attention_native",
-                     "test_causal_attention_native", "test_quantized"}
+                     "test_native_sanitizers"}
 SOURCE_TREE_GLOBS = [
     "BUILD", "*.md", "*.toml", "configs/**", "kernels/**", "kvjax/**", "tests/**", "tools/**",
 ]

@@ -42,6 +42,8 @@ flags.DEFINE_string("dataset", None, "A local .jsonl or .parquet file in kvpress
                     "(context, question, answer[, answer_prefix, max_new_tokens, id]).")
 flags.DEFINE_string("metric", _D.metric, "contains, qa_f1, rouge_l, classification, retrieval, "
                     "code_sim, or auto (contains for synthetic tasks, qa_f1 for datasets).")
+flags.DEFINE_bool("packed", _D.packed, "Keep a GGUF model's Q4_1 / Q8_0 matrices as their "
+                  "blocks (the same weights, read in place by the products; see kvjax.load).")
 flags.DEFINE_string("out", "results/eval", "Output folder.")
 
 
@@ -66,7 +68,7 @@ def config_from_flags() -> runner.EvalConfig:
         depths=_numbers("depths", float), num_samples=FLAGS.num_samples, seed=FLAGS.seed,
         query_aware=FLAGS.query_aware, window=FLAGS.window, prefill_chunk=FLAGS.prefill_chunk,
         backend=FLAGS.backend, max_new_tokens=FLAGS.max_new_tokens, dataset=FLAGS.dataset,
-        metric=FLAGS.metric)
+        metric=FLAGS.metric, packed=FLAGS.packed)
   except ValueError as e:
     raise UsageError(str(e)) from None
 

@@ -25,7 +25,7 @@ from kvjax.tasks.sample import Sample
 TASKS = niah.TASKS + ("dataset",)
 # Fields of a row that identify it (a resumed run skips rows with a known key).
 KEY_FIELDS = ("model", "task", "id", "policy", "policy_fields", "budget", "query_aware",
-              "prefill_chunk")
+              "prefill_chunk", "packed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +50,7 @@ class EvalConfig:
   dataset: str | None = None
   metric: str = "auto"  # "auto": contains for synthetic tasks, qa_f1 for datasets
   page_size: int = 16
+  packed: bool = False  # GGUF Q4_1 / Q8_0 matrices kept as their blocks (kvjax.load)
 
   def __post_init__(self):
     if self.task not in TASKS:
@@ -143,7 +144,7 @@ def run(cfg: EvalConfig, out: str | pathlib.Path, *, progress: bool = True,
   out.mkdir(parents=True, exist_ok=True)
   path = out / "results.jsonl"
   if lm is None:
-    lm = kvjax.load(cfg.model)
+    lm = kvjax.load(cfg.model, packed=cfg.packed)
   for name in cfg.policies:  # unknown names fail before any work
     kvjax.policies.get(name)
   samples = make_samples(lm.tokenizer, cfg, lm.config.max_position_embeddings - 64)
@@ -183,7 +184,8 @@ def _row_head(cfg, policy, fields, budget, sample: Sample) -> dict:
       "policy": policy, "policy_fields": fields, "budget": budget,
       "length": sample.target_tokens or length_bucket(sample.num_tokens),
       "prompt_tokens": sample.num_tokens, "depth": sample.depth, "query_aware": cfg.query_aware,
-      "prefill_chunk": cfg.prefill_chunk, "seed": cfg.seed, "metric": sample.metric,
+      "prefill_chunk": cfg.prefill_chunk, "packed": cfg.packed, "seed": cfg.seed,
+      "metric": sample.metric,
   }
 
 
