@@ -10,6 +10,11 @@ function here; import the module's other names from its full path.
   compact_slots     move kept entries to the front of their pages, in place;
                     ``compact_pages`` for whole-page eviction (no data moves)
   platform          the TPU (Mosaic) / GPU (Triton) lowering choice
+
+Without Pallas kernels (XLA on GPU/TPU, C++ on CPU):
+  causal_attention  a prompt's causal attention (``causal_attention_reference``)
+  quantized         packed GGUF blocks (Q4_1, Q8_0): formats, dequantization, products
+  native            the C++ CPU kernels (``*_cpu.cc``), compiled on first use
 """
 
 from kvjax.kernels.compaction import compact_pages

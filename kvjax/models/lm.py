@@ -81,7 +81,7 @@ def _forward(graphdef, params, tokens):
   model = nnx.merge(graphdef, params)
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
   attend = lambda state, layer, q, k, v: (state, causal_attention(q, k, v))
-  with backend_lib.use("auto"):  # packed weights' products: native on CPU
+  with backend_lib.use("auto"):  # on CPU: the native attention and packed products
     hidden, _ = model(tokens, positions, None, attend)
     return model.logits(hidden)
 
