@@ -22,10 +22,14 @@ def _dense_attention(q, k, v):
   return np.einsum("ncs,snh->cnh", jax.nn.softmax(logits, -1), v)
 
 
-def test_extend_attention_equals_dense_attention_over_cache_and_chunk():
+@pytest.mark.parametrize("rows", [attention.ATTEND_ROWS, 5])
+def test_extend_attention_equals_dense_attention_over_cache_and_chunk(monkeypatch, rows):
   """Two sequences with different cached lengths and chunk lengths, G = 3, and
   NaN in every pool slot no head has filled: each valid chunk query sees its
-  head's cached entries and the chunk up to itself, as dense softmax does."""
+  head's cached entries and the chunk up to itself, as dense softmax does;
+  in one block of query rows, or in blocks of 5 (a padded last block, and
+  blocks that start mid-chunk and mid-head)."""
+  monkeypatch.setattr(attention, "ATTEND_ROWS", rows)
   rng = np.random.default_rng(1)
   b, c, n, kh, h = 2, 8, 6, 2, 8
   cached, chunk = [13, 5], [8, 3]

@@ -207,21 +207,55 @@ def _append_and_attend(cache, layer, q, k, v, positions, lengths):
   chunk_k = jnp.swapaxes(k.astype(jnp.float32), 1, 2)  # [B, K, C, H]
   chunk_v = jnp.swapaxes(v.astype(jnp.float32), 1, 2)
   filled = jnp.arange(keys.shape[2]) < cached[..., None]  # [B, K, S]: the entries before the chunk
-  old = jnp.where(filled[:, :, None], jnp.einsum("bkmh,bksh->bkms", qg, keys), -jnp.inf)
   # Slots past a head's length may hold anything (another sequence's page 0 for
   # absent pages): a zero weight would not cancel a NaN or Inf value there.
   values = jnp.where(filled[..., None], values, 0.0)
-  causal = jnp.tile(jnp.tril(jnp.ones((c, c), bool)), (g, 1))  # [G*C, C]
-  new = jnp.where(causal, jnp.einsum("bkmh,bkch->bkmc", qg, chunk_k), -jnp.inf)
-  # One softmax over [old, new] without concatenating them; each row sees its
-  # own token, so the max is finite.
-  top = jnp.maximum(old.max(-1), new.max(-1))[..., None]
-  p_old, p_new = jnp.exp(old - top), jnp.exp(new - top)
-  out = (jnp.einsum("bkms,bksh->bkmh", p_old, values)
-         + jnp.einsum("bkmc,bkch->bkmh", p_new, chunk_v))
-  out = out / (p_old.sum(-1) + p_new.sum(-1))[..., None]
+  out = _attend_rows(qg, keys, values, filled, chunk_k, chunk_v)
   out = out.reshape(b, kh, g, c, h).transpose(0, 3, 1, 2, 4)  # [B, C, K, G, H]
   return cache, out.reshape(b, c, n, h).astype(q.dtype), (stored_k, stored_v)
+
+
+# Query rows per block of ``_attend_rows``: its logits are [B, K, rows, S + C] at
+# a time. All rows at once, a 512-token chunk of SmolLM2 over 1,536 slots held
+# 2 x 27 MiB of logits and weights (the chunk program's largest scratch).
+ATTEND_ROWS = 256
+
+
+def _attend_rows(qg, keys, values, filled, chunk_k, chunk_v):
+  """Rows of queries over a head's cached entries and, causally, its chunk.
+
+  Args:
+    qg: [B, K, G*C, H] float32 scaled queries, row g*C + t is query head g of chunk token t.
+    keys, values: [B, K, S, H] float32 cached entries (values zero where not filled).
+    filled: [B, K, S] bool, the entries that precede the chunk.
+    chunk_k, chunk_v: [B, K, C, H] float32, the chunk's own keys and values.
+
+  Returns:
+    [B, K, G*C, H] float32, computed ``ATTEND_ROWS`` rows at a time.
+  """
+  b, kh, m, h = qg.shape
+  c = chunk_k.shape[2]
+  rows = min(ATTEND_ROWS, m)
+  blocks = -(-m // rows)
+  qb = jnp.pad(qg, ((0, 0), (0, 0), (0, blocks * rows - m), (0, 0)))
+  qb = jnp.moveaxis(qb.reshape(b, kh, blocks, rows, h), 2, 0)  # [blocks, B, K, rows, H]
+
+  def block(args):
+    q, i = args
+    token = (i * rows + jnp.arange(rows)) % c  # each row's chunk token (padding: any)
+    old = jnp.where(filled[:, :, None], jnp.einsum("bkmh,bksh->bkms", q, keys), -jnp.inf)
+    causal = token[:, None] >= jnp.arange(c)[None]  # [rows, C]
+    new = jnp.where(causal, jnp.einsum("bkmh,bkch->bkmc", q, chunk_k), -jnp.inf)
+    # One softmax over [old, new] without concatenating them; each row sees its
+    # own token, so the max is finite.
+    top = jnp.maximum(old.max(-1), new.max(-1))[..., None]
+    p_old, p_new = jnp.exp(old - top), jnp.exp(new - top)
+    out = (jnp.einsum("bkms,bksh->bkmh", p_old, values)
+           + jnp.einsum("bkmc,bkch->bkmh", p_new, chunk_v))
+    return out / (p_old.sum(-1) + p_new.sum(-1))[..., None]
+
+  out = jax.lax.map(block, (qb, jnp.arange(blocks)))  # [blocks, B, K, rows, H]
+  return jnp.moveaxis(out, 0, 2).reshape(b, kh, blocks * rows, h)[:, :, :m]
 
 
 def chunk_attention(

@@ -315,6 +315,10 @@ def load_gguf(path: str | os.PathLike, *, packed: bool = False
   path = os.fspath(path)
   reader = _open(path)
   meta = _metadata(reader, path)
+  # The parsed fields (a numpy view per vocabulary token and merge, ~150 MiB of
+  # objects for a 49K vocabulary) are in ``meta`` now: drop them before the
+  # weights are read, or loading peaks that much higher.
+  reader.fields.clear()
   if meta.architecture != "llama":
     raise ValueError(f"{path}: architecture {meta.architecture!r} is not supported; "
                      "kvjax loads only 'llama' GGUF files")
