@@ -60,6 +60,7 @@ def test_cli_writes_rows_summary_and_plots(tmp_path):
   assert "## Decode ms per token" in proc.stdout and "| snapkv @ 32 |" in proc.stdout
 
 
+@pytest.mark.slow  # loads and compiles the unrolled model in a child process
 def test_cli_noscan_layers_loads_the_unrolled_model(tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "kvjax.bench", "--policies=streaming_llm", "--budget=32",

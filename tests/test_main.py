@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 
 def _run(*flags):
   return subprocess.run([sys.executable, "-m", "kvjax.main", *flags], capture_output=True,
@@ -17,6 +19,7 @@ def test_answers_a_passkey_question():
     assert field in out.stdout
 
 
+@pytest.mark.slow  # loads and compiles the unrolled model in a child process
 def test_unrolled_layers_answer_the_same_question():
   out = _run("--context_tokens=600", "--max_new_tokens=12", "--noscan_layers")
   assert out.returncode == 0, out.stderr

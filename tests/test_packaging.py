@@ -31,9 +31,6 @@ print(json.dumps({"kvjax": kvjax.__file__, "kvjax.kernels": kvjax.kernels.__file
                   "kernels": spec and spec.origin}))
 """
 
-pytestmark = pytest.mark.slow  # builds a wheel: seconds, still in the default suite
-
-
 def _run(cmd, **kw):
   res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kw)
   assert res.returncode == 0, f"{cmd} failed:\n{res.stdout}\n{res.stderr}"

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import absltest
 from flax import nnx
 
@@ -50,6 +51,7 @@ class ScanLayersTest(absltest.TestCase):
     testing.assert_close(self.unrolled.forward(tokens), self.scanned.forward(tokens),
                          atol=1e-4, rtol=1e-4)
 
+  @pytest.mark.slow  # compiles every program twice (scanned, unrolled) per policy
   def test_same_tokens_and_kept_entries_under_policies(self):
     # One-shot compression, chunked prefill with compression per chunk,
     # decode-time eviction, and a question appended after compression.
