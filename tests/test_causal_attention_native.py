@@ -1,6 +1,6 @@
 """The C++ causal attention of a prompt (kvjax.kernels.native) against the float32
-reference and float64 softmax, under the sanitizers, and in generation."""
-
+reference and float64 softmax, and in generation (its sanitizer check:
+tests/test_native_sanitizers.py)."""
 
 from absl.testing import absltest
 from absl.testing import parameterized

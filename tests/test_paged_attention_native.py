@@ -3,7 +3,6 @@ its build cache and failures, and backend "native" in generation."""
 
 import os
 import pathlib
-import subprocess
 import tempfile
 from unittest import mock
 
