@@ -8,7 +8,6 @@ configuration, shapes), and compile time is reported apart from run time.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 import time
@@ -20,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from kvjax import backend as backend_lib
+from kvjax import host_memory
 from kvjax import policies as policies_lib
 from kvjax.cache import attention as attention_lib
 from kvjax.cache.paged import PagedKVCache, round_up
@@ -522,25 +522,10 @@ def _compiled(fn, args, statics: dict):
   start = time.perf_counter()
   jitted = jax.jit(functools.partial(fn, **statics), donate_argnums=(1,))
   program = jitted.lower(*args).compile()
-  _return_freed_memory()
+  host_memory.return_freed_memory()  # what the compiler freed
   _PROGRAMS[key] = program
   COMPILE_COUNT[fn.__name__.strip("_")] += 1
   return program, time.perf_counter() - start
-
-
-def _return_freed_memory() -> None:
-  """Gives the memory that compiling freed back to the system (glibc only; else nothing).
-
-  XLA's CPU compiler frees most of what it allocates, but glibc keeps the
-  freed pages in its arenas: compiling SmolLM2's chunked-prefill program left
-  ~110 MiB resident, under the buffers that run next, and an 8K chunked
-  prefill peaked ~100 MiB higher for it. ``malloc_trim`` returns them; it
-  costs milliseconds, once per compiled program.
-  """
-  try:
-    ctypes.CDLL(None).malloc_trim(0)
-  except (AttributeError, OSError):  # not glibc (macOS, musl): nothing to trim
-    pass
 
 
 # ------------------------------------------------------------------ text

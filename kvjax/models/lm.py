@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from kvjax import backend as backend_lib
+from kvjax import host_memory
 from kvjax.cache.attention import causal_attention
 from kvjax.kernels import quantized
 from kvjax.models.config import LlamaConfig
@@ -281,6 +282,8 @@ def load(name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype=jnp
     tokenizer = Tokenizer.from_gguf_metadata(metadata)
   # The loader's dict is handed over: its arrays are freed as they are joined.
   graphdef, params = _params_from(config, weights, dtype, scan_layers)
+  # The host copies are gone; glibc would keep their pages (~30 MiB for SmolLM2).
+  host_memory.return_freed_memory()
   return LanguageModel(config, graphdef, params, tokenizer, str(path))
 
 

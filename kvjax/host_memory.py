@@ -1,0 +1,51 @@
+"""Keeping the host process's resident set down: two libc calls, used where they pay.
+
+A CPU run's memory is the process's resident set, and two things kept it
+higher than what is alive: pages glibc keeps after a large free (compilation,
+a model load), and the pages of a memory-mapped file once read. Each helper
+does nothing where its call is missing (not glibc, not Linux or macOS).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+
+import numpy as np
+
+
+def return_freed_memory() -> None:
+  """Gives the heap that was freed back to the system (glibc's ``malloc_trim``).
+
+  glibc keeps freed pages in its arenas, resident, under whatever runs next.
+  XLA's CPU compiler frees most of what it allocates: compiling SmolLM2's
+  chunked-prefill program left ~110 MiB resident, and an 8K chunked prefill
+  peaked ~100 MiB higher for it; a model load leaves ~30 MiB of host copies.
+  It costs milliseconds.
+  """
+  try:
+    ctypes.CDLL(None).malloc_trim(0)
+  except (AttributeError, OSError):  # not glibc (macOS, musl): nothing to trim
+    pass
+
+
+def drop_file_pages(view: np.ndarray, file_map: np.ndarray) -> None:
+  """Takes the pages under ``view``, a part of the read-only file map ``file_map``, out of RSS.
+
+  For a view whose data has been copied out. Every page of a map that was read
+  stays resident until the map goes: a GGUF load held the whole file (94 MiB
+  for SmolLM2's Q4_1) on top of the weights copied from it. MADV_DONTNEED on
+  a shared read-only file map only unmaps: the data stays in the page cache
+  and a later read of the view faults it back in. A view outside the map (a
+  copy) is left alone: dropping anonymous pages would zero them.
+  """
+  start = view.__array_interface__["data"][0]
+  first = file_map.__array_interface__["data"][0]
+  if not first <= start <= start + view.nbytes <= first + file_map.nbytes:
+    return
+  begin = start - start % mmap.PAGESIZE
+  try:
+    ctypes.CDLL(None).madvise(ctypes.c_void_p(begin),
+                              ctypes.c_size_t(start + view.nbytes - begin), mmap.MADV_DONTNEED)
+  except (AttributeError, OSError):  # no madvise (Windows)
+    pass

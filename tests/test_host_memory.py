@@ -1,0 +1,56 @@
+"""Tests for kvjax.host_memory: pages leave the resident set, data stays what it was."""
+
+import sys
+
+import numpy as np
+import pytest
+
+from kvjax import host_memory
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="reads /proc/self/smaps (Linux)")
+
+
+def _resident_kib(path: str) -> int:
+  """KiB of ``path``'s mappings resident in this process (/proc/self/smaps)."""
+  total, inside = 0, False
+  with open("/proc/self/smaps") as f:
+    for line in f:
+      fields = line.split()
+      if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header
+        inside = fields[-1] == path
+      elif inside and fields[0] == "Rss:":
+        total += int(fields[1])
+  return total
+
+
+def test_a_read_map_leaves_the_resident_set_and_reads_back_the_same(tmp_path):
+  path = str(tmp_path / "weights.bin")
+  data = np.random.default_rng(0).integers(0, 255, 8 << 20, dtype=np.uint8)
+  data.tofile(path)
+  file_map = np.memmap(path, mode="r")
+  copy = np.array(file_map[1000:])  # reads every page
+  assert _resident_kib(path) >= 8 * 1024 - 8
+  host_memory.drop_file_pages(file_map[1000:], file_map)
+  assert _resident_kib(path) <= 8  # at most a few pages (the kernel may map around)
+  np.testing.assert_array_equal(file_map[1000:], copy)  # faulted back in from the file
+  np.testing.assert_array_equal(file_map, data)
+
+
+def test_a_view_outside_the_map_is_left_alone(tmp_path):
+  path = str(tmp_path / "weights.bin")
+  np.arange(1 << 16, dtype=np.uint8).tofile(path)
+  file_map = np.memmap(path, mode="r")
+  heap = np.random.default_rng(1).random(1 << 20)  # anonymous memory: dropping would zero it
+  before = heap.copy()
+  host_memory.drop_file_pages(heap, file_map)
+  np.testing.assert_array_equal(heap, before)
+
+
+def test_return_freed_memory_keeps_live_data():
+  live = np.random.default_rng(2).random(1 << 20)
+  before = live.copy()
+  garbage = [np.ones(1 << 18) for _ in range(16)]
+  del garbage
+  host_memory.return_freed_memory()
+  np.testing.assert_array_equal(live, before)
