@@ -63,6 +63,21 @@ def canonical_keep(keep: jax.Array, lengths: jax.Array):
   return jnp.where(kept, x, -1), kept.sum(axis=1, dtype=jnp.int32)
 
 
+def source_slots(keep: jax.Array, lengths: jax.Array, slots: int):
+  """The slot each of a row's ``slots`` destination slots reads from.
+
+  Returns (src_slot [R, slots] int32: the i-th kept slot for i below the new
+  length, slot i itself past it; new lengths [R]).
+  """
+  keep, new_len = canonical_keep(keep, lengths)
+  s_keep = keep.shape[1]
+  # new_len <= length <= slots, so the kept prefix always fits in `slots`.
+  keep = keep[:, :slots] if s_keep >= slots else jnp.pad(keep, ((0, 0), (0, slots - s_keep)),
+                                                         constant_values=-1)
+  dst_slot = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), keep.shape)
+  return jnp.where(dst_slot < new_len[:, None], keep, dst_slot), new_len
+
+
 def plan_moves(page_table: jax.Array, lengths: jax.Array, keep: jax.Array, page_size: int):
   """Where every destination slot reads from.
 
@@ -73,15 +88,8 @@ def plan_moves(page_table: jax.Array, lengths: jax.Array, keep: jax.Array, page_
     new_lengths: [R] int32;
     freed: [R, P_max] int32 page ids given up, -1 elsewhere.
   """
-  r, p_max = page_table.shape
-  slots = p_max * page_size
-  keep, new_len = canonical_keep(keep, lengths)
-  s_keep = keep.shape[1]
-  # new_len <= length <= slots, so the kept prefix always fits in `slots`.
-  keep = keep[:, :slots] if s_keep >= slots else jnp.pad(keep, ((0, 0), (0, slots - s_keep)),
-                                                         constant_values=-1)
-  dst_slot = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (r, slots))
-  src_slot = jnp.where(dst_slot < new_len[:, None], keep, dst_slot)
+  p_max = page_table.shape[1]
+  src_slot, new_len = source_slots(keep, lengths, p_max * page_size)
   src_page = jnp.take_along_axis(page_table, src_slot // page_size, axis=1)
   n_pages = (new_len + page_size - 1) // page_size
   stays = jnp.arange(p_max)[None, :] < n_pages[:, None]

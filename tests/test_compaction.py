@@ -19,6 +19,7 @@ from kvjax.kernels import compaction
 from kvjax.kernels.compaction import compact_pages
 from kvjax.kernels.compaction import compact_slots
 from kvjax.kernels.compaction import compact_slots_reference
+from kvjax.kernels.paged_attention import gather_pages
 
 _FILLS = (None, None, -1, 0.0)  # keys, values, positions, scores
 
@@ -54,6 +55,22 @@ def _copy(pools):
 def _assert_same(got, want):
   for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(w, np.float32))
+
+
+def _filled_cache(b=2, l=2, kh=2, h=64, ps=8, t=29, seed=0):
+  """A cache whose heads hold 29, 13, 0 and 20 entries in every layer (positions 100 + t)."""
+  cache = PagedKVCache.create(batch_size=b, capacity=32, num_layers=l, num_kv_heads=kh,
+                              head_dim=h, page_size=ps)
+  rng = np.random.default_rng(seed)
+  for layer in range(l):
+    k = jnp.asarray(rng.standard_normal((b, t, kh, h)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, t, kh, h)), jnp.float32)
+    lengths = jnp.array([[29, 13], [0, 20]], jnp.int32)
+    slots = jnp.where(jnp.arange(t)[None, None] < lengths[..., None], jnp.arange(t), -1)
+    cache = cache.set_lengths(layer, lengths)
+    cache = cache.reserve(cache.lengths)
+    cache = cache.write(layer, k, v, slots, jnp.broadcast_to(jnp.arange(t) + 100, (b, t)))
+  return cache
 
 
 class ReferenceByHandTest(absltest.TestCase):
@@ -152,18 +169,9 @@ class CompactSlotsKernelTest(parameterized.TestCase):
   def test_cache_round_trip(self):
     # Compact layer 1 of a real cache, give the freed pages back: the page accounting
     # holds, and each head keeps exactly the chosen original positions, in order.
-    b, l, kh, h, ps = 2, 2, 2, 64, 8
-    cache = PagedKVCache.create(batch_size=b, capacity=32, num_layers=l, num_kv_heads=kh,
-                                head_dim=h, page_size=ps)
+    b, kh, t = 2, 2, 29
+    cache = _filled_cache(b=b, kh=kh, t=t)
     rng = np.random.default_rng(0)
-    t = 29
-    for layer in range(l):
-      k = jnp.asarray(rng.standard_normal((b, t, kh, h)), jnp.float32)
-      lengths = jnp.array([[29, 13], [0, 20]], jnp.int32)
-      slots = jnp.where(jnp.arange(t)[None, None] < lengths[..., None], jnp.arange(t), -1)
-      cache = cache.set_lengths(layer, lengths)
-      cache = cache.reserve(cache.lengths)
-      cache = cache.write(layer, k, k, slots, jnp.broadcast_to(jnp.arange(t) + 100, (b, t)))
     table, lengths = cache.layer_view(1)
     keep = jnp.asarray(rng.integers(0, t, (b, kh, 12)), jnp.int32)
     pools = (cache.k_pages, cache.v_pages, cache.positions, cache.scores)
@@ -184,6 +192,41 @@ class CompactSlotsKernelTest(parameterized.TestCase):
         self.assertTrue((kept[bi, ki, len(want):] == -1).all())
     # Layer 0 is untouched.
     self.assertEqual(np.asarray(cache.lengths)[:, 0].tolist(), [[29, 13], [0, 20]])
+
+
+class CompactFromEntriesTest(absltest.TestCase):
+  """``PagedKVCache.compact(..., entries=)`` takes keys and values from what was read."""
+
+  def test_same_cache_as_compacting_from_the_pools(self):
+    cache = _filled_cache()
+    keep = jnp.asarray(np.random.default_rng(1).integers(-1, 33, (2, 2, 12)), jnp.int32)
+    table, _ = cache.layer_view(1)
+    entries = (gather_pages(cache.k_pages, table), gather_pages(cache.v_pages, table))
+    want = cache.compact(1, keep)
+    got = cache.compact(1, keep, entries=entries)
+    testing.assert_cache_consistent(got)
+    _assert_same(got, want)
+
+  def test_a_read_then_compact_program_updates_the_pools_in_place(self):
+    # The keys decide what is kept, the values are only read: from the pools, XLA
+    # copies the value pool; from the read entries, it copies nothing. (Eight layers:
+    # the pool is larger than a layer's reads.)
+    cache = _filled_cache(l=8)
+
+    def program(cache, entries_given):
+      table, _ = cache.layer_view(1)
+      keys, values = gather_pages(cache.k_pages, table), gather_pages(cache.v_pages, table)
+      keep = jnp.argsort(-keys[..., 0], axis=-1)[..., :10].astype(jnp.int32)
+      out = cache.compact(1, keep, entries=(keys, values) if entries_given else None)
+      return out, values.sum()
+
+    def scratch(entries_given):
+      fn = jax.jit(functools.partial(program, entries_given=entries_given), donate_argnums=0)
+      return fn.lower(cache).compile().memory_analysis().temp_size_in_bytes
+
+    pool = cache.v_pages.nbytes
+    self.assertGreaterEqual(scratch(False), pool)
+    self.assertLess(scratch(True), pool)
 
 
 class ValidationTest(parameterized.TestCase):

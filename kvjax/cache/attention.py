@@ -295,13 +295,14 @@ def chunk_attention(
   _check_qkv(cache, q, k, v, positions)
   check_array("lengths", lengths, "[B]", (q.shape[0],), "int")
   _, cached = cache.layer_view(layer)
-  cache, out, (keys, values) = _append_and_attend(cache, layer, q, k, v, positions, lengths)
+  cache, out, (stored_k, stored_v) = _append_and_attend(cache, layer, q, k, v, positions,
+                                                         lengths)
   b, c, n, h = q.shape
   kh = k.shape[2]
   table, filled = cache.layer_view(layer)
   s = table.shape[-1] * cache.page_size
   # Each (sequence, KV head) becomes a sequence of its own: [B * K, S, 1, H].
-  keys, values = keys.reshape(b * kh, s, 1, h), values.reshape(b * kh, s, 1, h)
+  keys, values = stored_k.reshape(b * kh, s, 1, h), stored_v.reshape(b * kh, s, 1, h)
   slot_pos = gather_pages(cache.positions, table).reshape(b * kh, s)
   # The chunk's queries of group k sit on the slots the chunk was appended to.
   slot = cached[..., None] + jnp.arange(c)  # [B, K, C]
@@ -317,11 +318,9 @@ def chunk_attention(
   # A sequence without new tokens keeps everything (its heads did not change).
   keep = jnp.where((lengths > 0)[:, None, None], keep,
                    jnp.where(jnp.arange(s) < filled[..., None], jnp.arange(s), EMPTY))
-  # Nothing orders the attention's read of the value pool before the compaction
-  # rewrites it (a policy need not score the values), so XLA copies that pool
-  # here (34 MiB for SmolLM2 at budget 1024 + a 512-token chunk; an
-  # optimization barrier did not change it).
-  return cache.compact(layer, keep), out
+  # The kept entries come from what the attention read: the compaction's writes
+  # then follow that read, and the pools are updated in place, not copied.
+  return cache.compact(layer, keep, entries=(stored_k, stored_v)), out
 
 
 def decode_attention(

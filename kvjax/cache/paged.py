@@ -326,12 +326,20 @@ class PagedKVCache:
     return out.replace(page_table=table,
                        lengths=self.lengths - jnp.where(drop, lost, 0).astype(jnp.int32))
 
-  def compact(self, layer, keep: jax.Array) -> "PagedKVCache":
+  def compact(self, layer, keep: jax.Array, entries: tuple[jax.Array, jax.Array] | None = None
+              ) -> "PagedKVCache":
     """Keeps the given slots of each head of one layer and frees the pages left over.
 
     Args:
       layer: layer index (may be traced).
       keep: [B, K, S_keep] int32 slots each head keeps (-1 = none; any order).
+      entries: optional (keys, values) [B, K, S, H], the layer's slots as read
+        (``gather_pages``) after its last write. Given, the kept keys and
+        values are taken from them and only written to the pools: the write
+        then depends on that read, so XLA updates the pools in place. A
+        program that reads a pool and then compacts it with nothing ordering
+        the two (a policy that scores only the keys) copies that pool
+        instead: 34 MiB for SmolLM2 at budget 1024 plus a 512-token chunk.
 
     The kept entries move to slots 0 .. n - 1 in their original slot order
     (the ``compact_slots`` op of the ambient backend: Pallas in place, or the
@@ -343,15 +351,36 @@ class PagedKVCache:
     b, kh = self.batch_size, self.num_kv_heads
     check_array("keep", keep, "[B, K, S_keep]", (b, kh, None), "int")
     table, lengths = self.layer_view(layer)
-    pools, table, lengths, freed = backend_lib.get("compact_slots")(
-        (self.k_pages, self.v_pages, self.positions, self.scores),
-        table.reshape(b * kh, -1), lengths.reshape(b * kh), keep.reshape(b * kh, -1),
-        fills=(None, None, EMPTY, 0.0))
-    k_pages, v_pages, positions, scores = pools
-    out = self.replace(k_pages=k_pages, v_pages=v_pages, positions=positions, scores=scores)
+    rows = (table.reshape(b * kh, -1), lengths.reshape(b * kh), keep.reshape(b * kh, -1))
+    pools, fills = (self.positions, self.scores), (EMPTY, 0.0)
+    if entries is None:
+      pools, fills = (self.k_pages, self.v_pages) + pools, (None, None) + fills
+    pools, table, new_lengths, freed = backend_lib.get("compact_slots")(pools, *rows, fills=fills)
+    kv = pools[:2] if entries is None else self._write_kept(entries, table, *rows[1:])
+    out = self.replace(k_pages=kv[0], v_pages=kv[1], positions=pools[-2], scores=pools[-1])
     out = out.release(freed.reshape(-1))
     return out.replace(page_table=out.page_table.at[:, layer].set(table.reshape(b, kh, -1)),
-                       lengths=out.lengths.at[:, layer].set(lengths.reshape(b, kh)))
+                       lengths=out.lengths.at[:, layer].set(new_lengths.reshape(b, kh)))
+
+  def _write_kept(self, entries, kept_pages, lengths, keep):
+    """``compact``'s keys and values from ``entries``: the pools with each row's kept
+    entries written to its kept pages ([R, P_max], -1 past them), in slot order."""
+    from kvjax.kernels.compaction import source_slots  # index math, no kernel
+
+    r, p_max = kept_pages.shape
+    ps, h = self.page_size, self.k_pages.shape[-1]
+    for name, x in zip(("keys", "values"), entries):
+      check_array(name, x, "[B, K, S, H]", (self.batch_size, self.num_kv_heads, p_max * ps, h),
+                  "float")
+    src, _ = source_slots(keep, lengths, p_max * ps)  # [R, S]
+    page = jnp.repeat(kept_pages, ps, axis=1)
+    page = jnp.where(page >= 0, page, self.num_pages)  # past the kept pages: dropped
+    off = jnp.broadcast_to(jnp.arange(p_max * ps) % ps, page.shape)
+    return tuple(
+        pool.at[page, off].set(
+            jnp.take_along_axis(x.reshape(r, p_max * ps, h), src[..., None], axis=1)
+            .astype(pool.dtype), mode="drop")
+        for pool, x in zip((self.k_pages, self.v_pages), entries))
 
   def set_lengths(self, layer, lengths: jax.Array) -> "PagedKVCache":
     """Sets the filled slots [B, K] of one layer, clamped to [0, capacity].
