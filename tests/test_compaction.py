@@ -206,6 +206,8 @@ class CompactFromEntriesTest(absltest.TestCase):
     got = cache.compact(1, keep, entries=entries)
     testing.assert_cache_consistent(got)
     _assert_same(got, want)
+    with self.assertRaisesRegex(ValueError, r"values must have shape \[B, K, S, H\]"):
+      cache.compact(1, keep, entries=(entries[0], entries[1][:, :, :8]))
 
   def test_a_read_then_compact_program_updates_the_pools_in_place(self):
     # The keys decide what is kept, the values are only read: from the pools, XLA

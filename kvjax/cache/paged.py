@@ -351,6 +351,9 @@ class PagedKVCache:
     b, kh = self.batch_size, self.num_kv_heads
     check_array("keep", keep, "[B, K, S_keep]", (b, kh, None), "int")
     table, lengths = self.layer_view(layer)
+    for name, x in zip(("keys", "values"), entries or ()):
+      check_array(name, x, "[B, K, S, H]", (b, kh, self.max_slots, self.k_pages.shape[-1]),
+                  "float")
     rows = (table.reshape(b * kh, -1), lengths.reshape(b * kh), keep.reshape(b * kh, -1))
     pools, fills = (self.positions, self.scores), (EMPTY, 0.0)
     if entries is None:
@@ -369,9 +372,6 @@ class PagedKVCache:
 
     r, p_max = kept_pages.shape
     ps, h = self.page_size, self.k_pages.shape[-1]
-    for name, x in zip(("keys", "values"), entries):
-      check_array(name, x, "[B, K, S, H]", (self.batch_size, self.num_kv_heads, p_max * ps, h),
-                  "float")
     src, _ = source_slots(keep, lengths, p_max * ps)  # [R, S]
     page = jnp.repeat(kept_pages, ps, axis=1)
     page = jnp.where(page >= 0, page, self.num_pages)  # past the kept pages: dropped
