@@ -533,7 +533,7 @@ class _Clock:
     out = jax.block_until_ready(program(*args))
     # What the program's scratch took comes back: glibc kept it, in a heap per
     # thread that ran it, and a chunked prefill's resident set grew by ~80 MiB
-    # over its first chunks (SmolLM2 at budget 1024). Timed: ~1 ms a call.
+    # over its first chunks (SmolLM2 at budget 1024). Timed with it: 1-2 ms a call.
     host_memory.return_freed_memory()
     self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
     return out
