@@ -9,9 +9,19 @@ does nothing where its call is missing (not glibc, not Linux or macOS).
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 
 import numpy as np
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+  """The C library this process runs on (looked up once), or None where there is none."""
+  try:
+    return ctypes.CDLL(None)
+  except (OSError, TypeError):  # Windows: no handle for the process itself
+    return None
 
 
 def return_freed_memory() -> None:
@@ -23,10 +33,9 @@ def return_freed_memory() -> None:
   peaked ~100 MiB higher for it; a model load leaves ~30 MiB of host copies.
   It costs milliseconds.
   """
-  try:
-    ctypes.CDLL(None).malloc_trim(0)
-  except (AttributeError, OSError):  # not glibc (macOS, musl): nothing to trim
-    pass
+  trim = getattr(_libc(), "malloc_trim", None)  # not glibc (macOS, musl): nothing to trim
+  if trim is not None:
+    trim(0)
 
 
 def drop_file_pages(view: np.ndarray, file_map: np.ndarray) -> None:
@@ -43,9 +52,8 @@ def drop_file_pages(view: np.ndarray, file_map: np.ndarray) -> None:
   first = file_map.__array_interface__["data"][0]
   if not first <= start <= start + view.nbytes <= first + file_map.nbytes:
     return
+  madvise, dontneed = getattr(_libc(), "madvise", None), getattr(mmap, "MADV_DONTNEED", None)
+  if madvise is None or dontneed is None:  # Windows
+    return
   begin = start - start % mmap.PAGESIZE
-  try:
-    ctypes.CDLL(None).madvise(ctypes.c_void_p(begin),
-                              ctypes.c_size_t(start + view.nbytes - begin), mmap.MADV_DONTNEED)
-  except (AttributeError, OSError):  # no madvise (Windows)
-    pass
+  madvise(ctypes.c_void_p(begin), ctypes.c_size_t(start + view.nbytes - begin), dontneed)

@@ -316,10 +316,9 @@ def load_gguf(path: str | os.PathLike, *, packed: bool = False
   path = os.fspath(path)
   reader = _open(path)
   meta = _metadata(reader, path)
-  # The parsed fields (numpy views of every vocabulary token and merge) are in
-  # ``meta`` now: dropped before the weights are read (~50 MiB of SmolLM2's
-  # load peak; with each tensor's file pages dropped once copied, its packed
-  # load peaks at ~480 MiB, from 552).
+  # The parsed fields (a numpy view per vocabulary token and merge, ~150 MiB of
+  # objects for a 49K vocabulary) are in ``meta`` now: drop them before the
+  # weights are read, or loading peaks that much higher.
   reader.fields.clear()
   if meta.architecture != "llama":
     raise ValueError(f"{path}: architecture {meta.architecture!r} is not supported; "
@@ -343,9 +342,9 @@ def load_gguf(path: str | os.PathLike, *, packed: bool = False
     got = tuple(int(x) for x in reversed(tensor.shape.tolist()))
     if got != want:
       raise ValueError(f"{path}: tensor {name!r} expected shape {want}, got {got}")
-    out = (np.array(tensor.data, np.uint8).reshape(got[0], -1) if keep  # a copy: no view
-           else _dequantize(tensor))
-    host_memory.drop_file_pages(tensor.data, reader.data)  # the file's pages leave RSS
+    # A copy either way (no weight views the file), so the file's pages can go.
+    out = np.array(tensor.data, np.uint8).reshape(got[0], -1) if keep else _dequantize(tensor)
+    host_memory.drop_file_pages(tensor.data, reader.data)
     return out
 
   # The embedding is [V, D], float or packed; lm_head [D, V] float or [V, R] packed.
