@@ -4,6 +4,7 @@
   result = kvjax.generate(lm, ["..."], policy="full", max_new_tokens=32)
 """
 
+from kvjax import buffer_memory
 from kvjax import policies
 from kvjax import tasks
 from kvjax.cache import PagedKVCache
@@ -29,6 +30,7 @@ __all__ = [
     "LlamaConfig",
     "PagedKVCache",
     "RopeScaling",
+    "buffer_memory",
     "causal_attention",
     "decode_attention",
     "generate",

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from kvjax import backend as backend_lib
+from kvjax import buffer_memory
 from kvjax import host_memory
 from kvjax import policies as policies_lib
 from kvjax.cache import attention as attention_lib
@@ -319,6 +320,7 @@ def decode(lm: LanguageModel, cache: PagedKVCache, logits, next_positions, *,
                                stop_ids=stop_ids, temperature=temperature, top_k=top_k,
                                seed=seed)
   program, compile_s = _compiled(_decode, args, statics)
+  buffer_memory.observe(program, "decode")
   start = time.perf_counter()
   out, steps, cache = jax.block_until_ready(program(*args))
   return np.asarray(out), int(steps), cache, time.perf_counter() - start, compile_s
@@ -529,6 +531,7 @@ class _Clock:
   def __call__(self, name: str, fn, args, **statics):
     program, dt = _compiled(fn, args, dict(statics, graphdef=self.graphdef))
     self.compile_s += dt
+    buffer_memory.observe(program, fn.__name__.strip("_"))
     start = time.perf_counter()
     out = jax.block_until_ready(program(*args))
     # What the program's scratch took comes back: glibc kept it, in a heap per

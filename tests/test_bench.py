@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -12,7 +13,7 @@ from kvjax.bench import runner
 FIELDS = ("model", "policy", "budget", "context_length", "batch_size", "decode_steps", "fill",
           "backend", "decode_ms_per_token", "decode_tokens_per_s", "prefill_s", "kv_bytes",
           "peak_rss_bytes", "rss_after_load_bytes", "load_peak_rss_bytes", "memory_note",
-          "scan_layers")
+          "scan_layers", "buffer_peak_bytes", "buffer_peak_program")
 
 
 @pytest.mark.parametrize("fill", ["prompt", "synthetic"])
@@ -28,6 +29,9 @@ def test_measure_row(smollm2_lm, fill, policy, budget):
   # (ru_maxrss is updated lazily: VmRSS may read a little above it.)
   assert row["rss_after_load_bytes"] > 0
   assert 0 < row["load_peak_rss_bytes"] <= row["peak_rss_bytes"]
+  # The weights and the cache are live while the decode program runs.
+  params = sum(x.nbytes for x in jax.tree.leaves(smollm2_lm.params))
+  assert row["buffer_peak_bytes"] >= params + row["kv_bytes"]
   assert (row["prefill_s"] is None) == (fill == "synthetic")
   c = smollm2_lm.config
   entries = 160 if budget is None else budget

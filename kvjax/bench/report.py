@@ -51,6 +51,11 @@ def summary_markdown(rows: list[dict]) -> str:
   cells(lambda r, f: f"{r['kv_bytes'] / MIB:.1f}")
   lines += ["", "## Peak process memory (ru_maxrss), MiB", "", head, rule]
   cells(lambda r, f: f"{r['peak_rss_bytes'] / MIB:.0f}")
+  if any(r.get("buffer_peak_bytes") for r in rows):
+    lines += ["", "## Peak of live jax buffers (arrays + a program's scratch), MiB", "",
+              head, rule]
+    cells(lambda r, f: "–" if not r.get("buffer_peak_bytes") else
+          f"{r['buffer_peak_bytes'] / MIB:.0f}")
   if any(r.get("device_peak_bytes") for r in rows):
     lines += ["", "## Peak device memory (memory_stats), MiB", "", head, rule]
     cells(lambda r, f: "–" if not r.get("device_peak_bytes") else
@@ -59,29 +64,38 @@ def summary_markdown(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], out: pathlib.Path) -> list[pathlib.Path]:
-  """decode ms/token and peak memory against context length, a line per policy."""
+  """Plots against context length, a line per policy: decode ms/token, and peak memory.
+
+  peak_memory.png has a panel per measure of memory: the process's peak
+  resident set and, where the rows have it, the peak of live jax buffers.
+  """
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   series = collections.defaultdict(list)
   for r in rows:
     series[_label(r)].append(r)
+  memory = [(lambda r: r["peak_rss_bytes"] / MIB, "peak process memory (MiB)")]
+  if all(r.get("buffer_peak_bytes") for r in rows):
+    memory.append((lambda r: r["buffer_peak_bytes"] / MIB, "peak of live jax buffers (MiB)"))
+  r0 = rows[0]
   paths = []
-  for name, key, ylabel in (
-      ("decode_ms_per_token.png", lambda r: r["decode_ms_per_token"], "decode ms / token"),
-      ("peak_memory.png", lambda r: r["peak_rss_bytes"] / MIB, "peak process memory (MiB)")):
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label, rs in sorted(series.items()):
-      rs = sorted(rs, key=lambda r: r["context_length"])
-      ax.plot([r["context_length"] for r in rs], [key(r) for r in rs], marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel(ylabel)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    r0 = rows[0]
-    ax.set_title(f"{r0['model']}, batch {r0['batch_size']}, {r0['device']}", fontsize=9)
+  for name, panels in (
+      ("decode_ms_per_token.png", [(lambda r: r["decode_ms_per_token"], "decode ms / token")]),
+      ("peak_memory.png", memory)):
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for ax, (key, ylabel) in zip(axes[0], panels):
+      for label, rs in sorted(series.items()):
+        rs = sorted(rs, key=lambda r: r["context_length"])
+        ax.plot([r["context_length"] for r in rs], [key(r) for r in rs], marker="o",
+                label=label)
+      ax.set_xscale("log", base=2)
+      ax.set_yscale("log")
+      ax.set_xlabel("context length (tokens)")
+      ax.set_ylabel(ylabel)
+      ax.grid(True, which="both", alpha=0.3)
+      ax.legend(fontsize=7)
+      ax.set_title(f"{r0['model']}, batch {r0['batch_size']}, {r0['device']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out / name, dpi=110)
     plt.close(fig)

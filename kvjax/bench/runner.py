@@ -20,6 +20,7 @@ import resource
 import jax
 import jax.numpy as jnp
 
+from kvjax import buffer_memory
 from kvjax import policies
 
 
@@ -82,7 +83,8 @@ def measure(cfg: BenchConfig, lm=None) -> dict:
   policy.validate(cfg.budget)
   load_peak, rss_loaded = peak_rss_bytes(), rss_bytes()
   run = _prompt_run if fill == "prompt" else _synthetic_run
-  row = run(lm, cfg, policy)
+  with buffer_memory.track() as buffers:
+    row = run(lm, cfg, policy)
   decode_s = row.pop("decode_s")
   steps = row.pop("steps")
   row.update({
@@ -97,10 +99,14 @@ def measure(cfg: BenchConfig, lm=None) -> dict:
       "peak_rss_bytes": peak_rss_bytes(), "rss_after_load_bytes": rss_loaded,
       "load_peak_rss_bytes": load_peak,
       "device_peak_bytes": device_peak_bytes(),
+      "buffer_peak_bytes": buffers.bytes, "buffer_peak_program": buffers.program,
       "memory_note": ("peak_rss_bytes: the process's peak resident set (ru_maxrss), model "
                       "loading included; rss_after_load_bytes: the resident set once the "
                       "model is loaded (VmRSS), load_peak_rss_bytes: the peak by then; "
-                      "device_peak_bytes: memory_stats() where the backend has it"),
+                      "device_peak_bytes: memory_stats() where the backend has it; "
+                      "buffer_peak_bytes: the most bytes of live jax arrays plus a program's "
+                      "scratch and new outputs at the start of any program run "
+                      "(kvjax.buffer_memory), any backend"),
   })
   return row
 
