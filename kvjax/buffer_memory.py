@@ -36,7 +36,11 @@ class BufferPeak:
 
 @contextlib.contextmanager
 def track() -> Iterator[BufferPeak]:
-  """Observes every program run inside the block (trackers may nest)."""
+  """Observes every program run inside the block (trackers may nest).
+
+  Every live array in the process counts, the model's weights and arrays the
+  run does not own among them, as they would on a device.
+  """
   peak = BufferPeak()
   _TRACKERS.append(peak)
   try:
@@ -46,7 +50,7 @@ def track() -> Iterator[BufferPeak]:
 
 
 def observe(program, name: str) -> None:
-  """Records the buffers ``program`` (a compiled jax program) will hold; call just before it runs."""
+  """Records the buffers ``program`` (compiled) will hold with it; call just before it runs."""
   if not _TRACKERS:
     return
   total = live_bytes() + running_bytes(program)
@@ -60,15 +64,19 @@ def live_bytes() -> int:
   seen, total = set(), 0
   for array in jax.live_arrays():
     for shard in array.addressable_shards:
-      pointer = shard.data.unsafe_buffer_pointer()
-      if pointer not in seen:
-        seen.add(pointer)
-        total += shard.data.nbytes
+      buffer = shard.data
+      try:  # two arrays may hold one buffer
+        key = (buffer.unsafe_buffer_pointer(), buffer.nbytes)
+      except Exception:  # pylint: disable=broad-except  (no raw pointers here: count it)
+        key = None
+      if key is None or key not in seen:
+        seen.add(key)
+        total += buffer.nbytes
   return total
 
 
 def running_bytes(program) -> int:
-  """What a compiled program allocates while it runs: scratch + outputs not aliasing a donated input."""
+  """What a compiled program allocates as it runs: scratch, and outputs not in a donated input."""
   stats = program.memory_analysis()
   return (stats.temp_size_in_bytes + stats.output_size_in_bytes
           - stats.alias_size_in_bytes)
