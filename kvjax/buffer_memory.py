@@ -68,8 +68,9 @@ def live_bytes() -> int:
       try:  # two arrays may hold one buffer
         key = (buffer.unsafe_buffer_pointer(), buffer.nbytes)
       except Exception:  # pylint: disable=broad-except  (no raw pointers here: count it)
-        key = None
-      if key is None or key not in seen:
+        total += buffer.nbytes
+        continue
+      if key not in seen:
         seen.add(key)
         total += buffer.nbytes
   return total
