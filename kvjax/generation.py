@@ -21,6 +21,7 @@ from flax import nnx
 from kvjax import backend as backend_lib
 from kvjax import buffer_memory
 from kvjax import host_memory
+from kvjax.host_memory import to_device
 from kvjax import policies as policies_lib
 from kvjax.cache import attention as attention_lib
 from kvjax.cache.paged import PagedKVCache, round_up
@@ -211,8 +212,8 @@ def generate_each(
     shape = (cfg.num_layers, len(ids), t_pad)
     buffers = tuple(jnp.zeros(shape + (heads, cfg.head_dim), lm.dtype)
                     for heads in (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads))
-    recorded = shared("prefill", _record, (lm.params, buffers, jnp.asarray(tokens),
-                                           jnp.asarray(lengths)), block=attention_block,
+    recorded = shared("prefill", _record, (lm.params, buffers, to_device(tokens),
+                                           to_device(lengths)), block=attention_block,
                       backend=backend)
 
   for i, (policy, budget) in enumerate(runs):
@@ -236,19 +237,21 @@ def generate_each(
     statics = dict(policy=policy, budget=budget, budgets=budgets, backend=backend)
     if prefill_chunk:
       prefill = _prefill_chunk
+      no_logits = to_device(np.zeros((len(ids), cfg.vocab_size), np.float32))
 
-      def prefill_args(cache, start):
+      def prefill_args(cache, start, logits=no_logits):
         chunk_lengths = np.clip(lengths - start, 0, prefill_chunk).astype(np.int32)
-        return (lm.params, cache, jnp.asarray(tokens[:, start:start + prefill_chunk]),
-                jnp.asarray(chunk_lengths), jnp.full(lengths.shape, start, jnp.int32))
+        return (lm.params, cache, to_device(tokens[:, start:start + prefill_chunk]),
+                to_device(chunk_lengths), to_device(np.full(lengths.shape, start, np.int32)),
+                logits)
     elif recorded is not None:
       prefill = _store
-      prefill_args = lambda cache, _: (lm.params, cache, recorded[0], jnp.asarray(tokens),
-                                       jnp.asarray(lengths))
+      prefill_args = lambda cache, _: (lm.params, cache, recorded[0], to_device(tokens),
+                                       to_device(lengths))
     else:
       prefill, statics = _prefill, dict(statics, block=attention_block)
-      prefill_args = lambda cache, _: (lm.params, cache, jnp.asarray(tokens),
-                                       jnp.asarray(lengths))
+      prefill_args = lambda cache, _: (lm.params, cache, to_device(tokens),
+                                       to_device(lengths))
     # The run's prefill and decode programs are compiled before its cache
     # exists: the compiler's transient memory (~150 MiB for SmolLM2's chunk
     # program) then does not stack on the page pool and what the prefill left.
@@ -261,12 +264,10 @@ def generate_each(
         temperature=temperature, top_k=top_k, seed=seed))[1]
     cache = new_cache()
     if prefill_chunk:
-      logits = None
+      logits = no_logits
       for start in range(0, t_pad, prefill_chunk):
-        cache, chunk_logits = clock("prefill", prefill, prefill_args(cache, start), **statics)
         # Each sequence's next-token logits come from the chunk holding its last token.
-        logits = chunk_logits if logits is None else jnp.where(
-            jnp.asarray(lengths > start)[:, None], chunk_logits, logits)
+        cache, logits = clock("prefill", prefill, prefill_args(cache, start, logits), **statics)
     elif recorded is not None:
       cache = clock("prefill", prefill, prefill_args(cache, 0), **statics)
     else:
@@ -275,7 +276,7 @@ def generate_each(
     if q_tokens is not None:
       cache, logits = clock(
           "prefill", _extend,
-          (lm.params, cache, jnp.asarray(q_tokens), jnp.asarray(q_lengths), jnp.asarray(lengths)),
+          (lm.params, cache, to_device(q_tokens), to_device(q_lengths), to_device(lengths)),
           backend=backend)
       next_pos = lengths + q_lengths
 
@@ -330,10 +331,10 @@ def _decode_call(lm, cache, logits, next_positions, *, policy, limit, max_new_to
                  stop_ids, temperature, top_k, seed):
   """(arguments, statics) of ``_decode``; cache and logits may be abstract (ShapeDtypeStruct)."""
   pad_id = lm.tokenizer.pad_id if lm.tokenizer is not None else 0
-  args = (lm.params, cache, logits, jnp.asarray(next_positions, jnp.int32),
-          jnp.asarray(limit, jnp.int32), jax.random.key(seed),
-          jnp.asarray(list(stop_ids) or [-1], jnp.int32), jnp.float32(temperature),
-          jnp.int32(pad_id))
+  args = (lm.params, cache, logits, to_device(next_positions, np.int32),
+          to_device(limit, np.int32), to_device(seed, np.uint32),
+          to_device(list(stop_ids) or [-1], np.int32), to_device(temperature, np.float32),
+          to_device(pad_id, np.int32))
   return args, dict(graphdef=lm.graphdef, policy=policy, max_new_tokens=max_new_tokens,
                     top_k=top_k, backend=backend)
 
@@ -409,12 +410,15 @@ def _store(params, cache, recorded, tokens, lengths, *, graphdef, policy, budget
     return jax.lax.fori_loop(0, recorded[0].shape[0], layer_body, cache)
 
 
-def _prefill_chunk(params, cache, tokens, lengths, offsets, *, graphdef, policy, budget,
+def _prefill_chunk(params, cache, tokens, lengths, offsets, logits, *, graphdef, policy, budget,
                    budgets, backend):
   """One prompt chunk: attend to the cache and itself, then compress back to the budget.
 
-  Returns (cache, logits [B, V] at each sequence's last token in the chunk;
-  garbage where the chunk has none).
+  Args:
+    logits: [B, V] each sequence's next-token logits so far (zeros before the first chunk).
+
+  Returns (cache, logits [B, V]: at each sequence's last token in the chunk, or
+  the given ones where the chunk has none of its tokens).
   """
   with backend_lib.use(backend):
     model = nnx.merge(graphdef, params)
@@ -427,7 +431,7 @@ def _prefill_chunk(params, cache, tokens, lengths, offsets, *, graphdef, policy,
 
     hidden, cache = model(tokens, positions, cache, attend)
     last = hidden[jnp.arange(tokens.shape[0]), jnp.maximum(lengths - 1, 0)]
-    return cache, model.logits(last)
+    return cache, jnp.where((lengths > 0)[:, None], model.logits(last), logits)
 
 
 def _extend(params, cache, tokens, lengths, offsets, *, graphdef, backend):
@@ -444,15 +448,15 @@ def _extend(params, cache, tokens, lengths, offsets, *, graphdef, backend):
     return cache, model.logits(last)
 
 
-def _decode(params, cache, first_logits, next_pos, limit, rng, stops, temperature, pad_id, *,
+def _decode(params, cache, first_logits, next_pos, limit, seed, stops, temperature, pad_id, *,
             graphdef, policy, max_new_tokens, top_k, backend):
   """Greedy or sampled decoding in one while_loop; returns (tokens [B, M], steps, cache).
 
   ``backend`` runs the paged attention and the policy's and packed weights' ops.
   """
   with backend_lib.use(backend):
-    return _decode_body(params, cache, first_logits, next_pos, limit, rng, stops, temperature,
-                        pad_id, graphdef=graphdef, policy=policy,
+    return _decode_body(params, cache, first_logits, next_pos, limit, jax.random.key(seed),
+                        stops, temperature, pad_id, graphdef=graphdef, policy=policy,
                         max_new_tokens=max_new_tokens, top_k=top_k, backend=backend)
 
 

@@ -1,9 +1,10 @@
 """Keeping the host process's resident set down: two libc calls, used where they pay.
 
-A CPU run's memory is the process's resident set, and two things kept it
+A CPU run's memory is the process's resident set, and three things kept it
 higher than what is alive: pages glibc keeps after a large free (compilation,
-a model load), and the pages of a memory-mapped file once read. Each helper
-does nothing where its call is missing (not glibc, not Linux or macOS).
+a model load), the pages of a memory-mapped file once read, and the small
+programs that eager array conversions compile. Each libc helper does nothing
+where its call is missing (not glibc, not Linux or macOS).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import ctypes
 import functools
 import mmap
 
+import jax
 import numpy as np
 
 
@@ -57,3 +59,14 @@ def drop_file_pages(view: np.ndarray, file_map: np.ndarray) -> None:
     return
   begin = start - start % mmap.PAGESIZE
   madvise(ctypes.c_void_p(begin), ctypes.c_size_t(start + view.nbytes - begin), dontneed)
+
+
+def to_device(x, dtype=None) -> jax.Array:
+  """A host value (array, list, scalar) as a device array, without compiling a program.
+
+  ``jnp.asarray`` of a NumPy array compiles a program per shape and dtype
+  (it lifts the value with ``lax.stage``), and on a CPU each compiled program
+  holds ~1.5 MiB of host memory for the rest of the process; a generate call
+  made ~20 of them. ``jax.device_put`` copies the value and compiles nothing.
+  """
+  return jax.device_put(np.asarray(x, dtype))

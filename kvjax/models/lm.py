@@ -168,7 +168,7 @@ def _params_from(config: LlamaConfig, weights: dict, dtype, scan_layers: bool):
     # until it is done; waiting for it lets each source go as soon as its last
     # leaf is built. (Unwaited, a SmolLM2 load held both copies: ~1.4 GiB RSS
     # for 513 MiB of float32 weights.)
-    node[leaf] = jnp.asarray(array, None if is_packed else dtype).block_until_ready()
+    node[leaf] = host_memory.to_device(array, None if is_packed else dtype).block_until_ready()
     del array
     uses[name] -= 1
     if not uses[name]:
