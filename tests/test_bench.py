@@ -13,7 +13,8 @@ from kvjax.bench import runner
 FIELDS = ("model", "policy", "budget", "context_length", "batch_size", "decode_steps", "fill",
           "backend", "decode_ms_per_token", "decode_tokens_per_s", "prefill_s", "kv_bytes",
           "peak_rss_bytes", "rss_after_load_bytes", "load_peak_rss_bytes", "memory_note",
-          "scan_layers", "buffer_peak_bytes", "buffer_peak_program")
+          "scan_layers", "buffer_peak_bytes", "buffer_peak_program", "compilation_cache",
+          "programs_compiled", "programs_from_cache")
 
 
 @pytest.mark.parametrize("fill", ["prompt", "synthetic"])
@@ -62,6 +63,28 @@ def test_cli_writes_rows_summary_and_plots(tmp_path):
   assert sorted(p.name for p in tmp_path.iterdir()) == [
       "decode_ms_per_token.png", "peak_memory.png", "results.jsonl", "summary.md"]
   assert "## Decode ms per token" in proc.stdout and "| snapkv @ 32 |" in proc.stdout
+
+
+def test_compilation_cache_second_run_loads_every_program(tmp_path):
+  """Run twice on one cache folder: the first run's child compiles, the second's loads."""
+  rows = []
+  for run in ("first", "second"):
+    out = tmp_path / run
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvjax.bench", "--policies=streaming_llm", "--budget=32",
+         "--context_lengths=96", "--decode_steps=2", "--repeats=1",
+         f"--compilation_cache={tmp_path / 'xla'}", f"--out={out}"],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = [json.loads(l) for l in (out / "results.jsonl").read_text().splitlines()]
+    rows.append(row)
+  first, second = rows
+  assert first["compilation_cache"] == str(tmp_path / "xla")
+  assert first["programs_compiled"] > 0 and first["programs_from_cache"] == 0
+  assert second["programs_compiled"] == 0
+  assert second["programs_from_cache"] == first["programs_compiled"]
+  assert "loaded from the compilation cache, 0 compiled" in (
+      tmp_path / "second" / "summary.md").read_text()
 
 
 @pytest.mark.slow  # loads and compiles the unrolled model in a child process

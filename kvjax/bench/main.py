@@ -4,6 +4,8 @@ r"""Decode speed, prefill time and memory of KV-cache policies against context l
   python -m kvjax.bench --policies=full,snapkv,paged_eviction --budget=1024 \
       --context_lengths=8192,16384,32768,65536,131072 --decode_steps=16
   python -m kvjax.bench --policies=full,snapkv --context_lengths=8000 --prefill_chunk=512
+  python -m kvjax.bench ... --compilation_cache=~/.cache/kvjax/xla   # twice: the second
+                                                 # run loads its programs, compiles none
 
 Each (policy, context length) runs in a fresh child process (``--isolate``), so
 its peak memory is its own. Lengths that fit the model's context run a real
@@ -49,6 +51,11 @@ flags.DEFINE_bool("scan_layers", _D.scan_layers,
 flags.DEFINE_bool("packed", _D.packed,
                   "Keep a GGUF model's Q4_1 / Q8_0 matrices as their blocks (the same weights, "
                   "read in place by the products; see kvjax.load).")
+flags.DEFINE_string("compilation_cache", None,
+                    "Folder of JAX's persistent compilation cache: programs an earlier run "
+                    "compiled are loaded from it, not compiled, so a row's peak memory is "
+                    "that of running, without the compiler's (run the bench twice; each "
+                    "row counts its programs_compiled and programs_from_cache).")
 flags.DEFINE_bool("isolate", True, "Run each configuration in its own process (own peak memory).")
 flags.DEFINE_string("out", "results/bench", "Output folder.")
 flags.DEFINE_string("child", None, "Internal: run one configuration (JSON) and print its row.")
@@ -77,12 +84,15 @@ def configs() -> list[runner.BenchConfig]:
       raise ValueError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
   if FLAGS.prefill_chunk < 0:
     raise ValueError(f"--prefill_chunk must be >= 0, got {FLAGS.prefill_chunk}")
+  cache_dir = FLAGS.compilation_cache and str(
+      pathlib.Path(FLAGS.compilation_cache).expanduser().resolve())
   return [runner.BenchConfig(
       model=FLAGS.model, policy=p, budget=None if p == "full" else FLAGS.budget,
       context_length=n, batch_size=FLAGS.batch_size, decode_steps=FLAGS.decode_steps,
       prefill_chunk=FLAGS.prefill_chunk if p != "full" else 0, backend=FLAGS.backend,
       fill=FLAGS.fill, repeats=FLAGS.repeats, window=FLAGS.window,
-      scan_layers=FLAGS.scan_layers, packed=FLAGS.packed)
+      scan_layers=FLAGS.scan_layers, packed=FLAGS.packed,
+      compilation_cache=cache_dir)
       for n in _ints("context_lengths") for p in FLAGS.policies]
 
 

@@ -29,7 +29,14 @@ def summary_markdown(rows: list[dict]) -> str:
            f"{', packed weights' if r0.get('packed') else ''})", "",
            "Columns: context length in tokens. `*` marks a cache filled with synthetic keys "
            "and values (no prefill). Decode times are the best of the repeats after a "
-           "warm-up.", "", "## Decode ms per token", "", head, rule]
+           "warm-up."]
+  if any(r.get("compilation_cache") for r in rows):
+    compiled = sum(r["programs_compiled"] for r in rows)
+    loaded = sum(r["programs_from_cache"] for r in rows)
+    lines += ["", f"Programs: {loaded} loaded from the compilation cache, {compiled} compiled "
+              "by the measuring processes (a row's peaks leave out the compiler's memory "
+              "where its programs_compiled is 0)."]
+  lines += ["", "## Decode ms per token", "", head, rule]
 
   def cells(fmt):
     for label in labels:
