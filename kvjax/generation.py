@@ -21,10 +21,10 @@ from flax import nnx
 from kvjax import backend as backend_lib
 from kvjax import buffer_memory
 from kvjax import host_memory
-from kvjax.host_memory import to_device
 from kvjax import policies as policies_lib
 from kvjax.cache import attention as attention_lib
 from kvjax.cache.paged import PagedKVCache, round_up
+from kvjax.host_memory import to_device
 from kvjax.models.lm import LanguageModel
 
 
@@ -253,7 +253,7 @@ def generate_each(
       prefill_args = lambda cache, _: (lm.params, cache, to_device(tokens),
                                        to_device(lengths))
     # The run's prefill and decode programs are compiled before its cache
-    # exists: the compiler's transient memory (~150 MiB for SmolLM2's chunk
+    # exists: the compiler's transient memory (~200 MiB for SmolLM2's chunk
     # program) then does not stack on the page pool and what the prefill left.
     abstract = jax.eval_shape(new_cache)
     program, dt = _compiled(prefill, prefill_args(abstract, 0), dict(statics, graphdef=lm.graphdef))

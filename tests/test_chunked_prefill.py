@@ -99,11 +99,37 @@ def test_two_chunks_keep_the_global_top_norms_and_attend_to_what_is_kept():
 
 
 def test_full_policy_chunked_equals_one_shot(smollm2_lm):
-  prompt = kvjax.tasks.make_sample(smollm2_lm.tokenizer, "niah", length=600, seed=2).prompt
-  one = kvjax.generate(smollm2_lm, [prompt], max_new_tokens=10)
-  chunked = kvjax.generate(smollm2_lm, [prompt], max_new_tokens=10, prefill_chunk=128)
+  # The second prompt ends chunks before the first: its next-token logits are
+  # those of the chunk holding its last token, carried through the later chunks.
+  prompts = [kvjax.tasks.make_sample(smollm2_lm.tokenizer, "niah", length=n, seed=2).prompt
+             for n in (600, 300)]
+  one = kvjax.generate(smollm2_lm, prompts, max_new_tokens=10)
+  chunked = kvjax.generate(smollm2_lm, prompts, max_new_tokens=10, prefill_chunk=128)
   assert chunked.token_ids == one.token_ids
   np.testing.assert_array_equal(chunked.cache.kept_positions(), one.cache.kept_positions())
+
+
+def test_a_chunked_generate_compiles_its_programs_and_nothing_else(smollm2_lm):
+  """Host values reach the device without compiling: an eager jnp op compiles a program
+  per shape, which a CPU process then holds (~1.5 MiB each)."""
+  compiled = []
+
+  def listener(event, duration, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiled.append(kwargs["fun_name"])
+
+  prompt = kvjax.tasks.make_sample(smollm2_lm.tokenizer, "niah", length=333, seed=4).prompt
+  kwargs = dict(policy=policies.get("snapkv", window=16), budget=72, max_new_tokens=5,
+                prefill_chunk=96)  # shapes no other test uses: nothing compiled yet
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    kvjax.generate(smollm2_lm, [prompt], **kwargs)
+    first = list(compiled)
+    kvjax.generate(smollm2_lm, [prompt], **kwargs)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert sorted(first) == ["jit(_decode)", "jit(_empty_arrays)", "jit(_prefill_chunk)"]
+  assert compiled == first  # the second call compiled nothing
 
 
 @pytest.mark.parametrize("name", ["snapkv", "knorm", "streaming_llm", "paged_eviction"])
