@@ -146,7 +146,8 @@ def generate_each(
     prefill_chunk: 0 for a one-shot prefill; else the prompt is prefilled in
       chunks of this many tokens, each attending to the compressed cache and
       to itself, after which the cache is compressed back to the budget: the
-      cache never holds more than budget + chunk entries per head. For
+      pool holds the budget per head (+ question and decode tokens), and a
+      chunk's keys and values stay in the chunk program's scratch. For
       policies that score from an observation window or from keys and values
       (``Policy.chunked_prefill``); the chunk must hold the window. Each run
       prefills on its own (its chunks attend to its own compressed cache).
@@ -221,7 +222,7 @@ def generate_each(
     clock = _Clock(lm.graphdef, dict(shared.seconds), 0.0 if i else shared.compile_s)
     budgets = policy.layer_budgets(budget, t_pad, cfg.num_layers)
     capacity = policy.capacity(
-        budget=budget, prompt_len=t_pad, extra_tokens=q_pad + prefill_chunk,
+        budget=budget, prompt_len=t_pad, extra_tokens=q_pad,
         max_new_tokens=max_new_tokens, page_size=page_size, num_layers=cfg.num_layers)
     if prefill_chunk:  # never more than the whole prompt (the full policy keeps it all)
       capacity = tuple(min(c, round_up(t_pad + q_pad + max_new_tokens, page_size))

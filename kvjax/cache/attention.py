@@ -11,7 +11,8 @@ head) and writes the prompt's keys and values into the cache, through an
 optional ``select`` function that says which slot each token goes to (this is
 where eviction policies plug in; the cache itself knows no policy). Decode
 appends one token per sequence and attends over the paged cache. A chunked
-prefill calls ``chunk_attention`` per chunk: append, attend, compress back.
+prefill calls ``chunk_attention`` per chunk: attend, then compress the cached
+entries and the chunk back into the cache.
 """
 
 from __future__ import annotations
@@ -173,17 +174,12 @@ def extend_attention(
   """
   _check_qkv(cache, q, k, v, positions)
   check_array("lengths", lengths, "[B]", (q.shape[0],), "int")
-  cache, out, _ = _append_and_attend(cache, layer, q, k, v, positions, lengths)
-  return cache, out
+  return _append_and_attend(cache, layer, q, k, v, positions, lengths)
 
 
 def _append_and_attend(cache, layer, q, k, v, positions, lengths):
-  """``extend_attention`` without the checks; also returns the layer's stored
-  (keys, values) [B, K, S, H] as read after the append (chunk_attention scores
-  them: one read of the pools serves both)."""
-  b, c, n, h = q.shape
-  kh = k.shape[2]
-  g = n // kh
+  """``extend_attention`` without the checks."""
+  c = q.shape[1]
   _, cached = cache.layer_view(layer)
   valid = jnp.arange(c)[None, :] < lengths[:, None]  # [B, C]
   slots = jnp.where(valid[:, None, :], cached[..., None] + jnp.arange(c), EMPTY)  # [B, K, C]
@@ -196,8 +192,19 @@ def _append_and_attend(cache, layer, q, k, v, positions, lengths):
   # the pools were copied instead, both of them in every layer (2 x 36 MB a
   # layer for SmolLM2 at budget 1024 in a chunked prefill).
   table, _ = cache.layer_view(layer)
-  stored_k = gather_pages(cache.k_pages, table)  # [B, K, S, H]
-  stored_v = gather_pages(cache.v_pages, table)
+  stored = (gather_pages(cache.k_pages, table), gather_pages(cache.v_pages, table))
+  return cache, _attend_cached_and_chunk(q, k, v, *stored, cached)
+
+
+def _attend_cached_and_chunk(q, k, v, stored_k, stored_v, cached):
+  """A chunk's attention over each head's first ``cached`` [B, K] stored entries
+  ([B, K, S, H]) and, causally, over the chunk (q [B, C, N, H], k, v [B, C, K, H]).
+
+  Returns out [B, C, N, H] in q's dtype.
+  """
+  b, c, n, h = q.shape
+  kh = k.shape[2]
+  g = n // kh
   keys, values = stored_k.astype(jnp.float32), stored_v.astype(jnp.float32)
   # A KV head's G query heads are folded into the rows ([B, K, G*C, H]), so each
   # product is one batched matmul over (B, K) with no transpose: with the query
@@ -212,7 +219,7 @@ def _append_and_attend(cache, layer, q, k, v, positions, lengths):
   values = jnp.where(filled[..., None], values, 0.0)
   out = _attend_rows(qg, keys, values, filled, chunk_k, chunk_v)
   out = out.reshape(b, kh, g, c, h).transpose(0, 3, 1, 2, 4)  # [B, C, K, G, H]
-  return cache, out.reshape(b, c, n, h).astype(q.dtype), (stored_k, stored_v)
+  return out.reshape(b, c, n, h).astype(q.dtype)
 
 
 # Query rows per block of ``_attend_rows``: its logits are [B, K, rows, S + C] at
@@ -271,13 +278,15 @@ def chunk_attention(
 ) -> tuple[PagedKVCache, jax.Array]:
   """One chunk of a chunked prefill: attend to the cache and the chunk, then compress.
 
-  The chunk is appended as by ``extend_attention`` (every cached entry plus
-  the chunk causally), then each head is compressed back: ``select`` sees the
-  head's entries as a dense prompt of its own (one sequence per (sequence,
-  KV head), its slots in order, their original positions, the chunk's queries
-  on the chunk's slots and zero queries elsewhere) and the entries it keeps
-  are compacted in place; their pages past the new length are freed. So the
-  cache never holds more than what the policy keeps plus one chunk.
+  Every chunk token sees each cached entry of its head and the chunk up to
+  itself. Then each head is compressed: ``select`` sees the head's cached
+  entries followed by the chunk's tokens as a dense prompt of its own (one
+  sequence per (sequence, KV head), in slot order, with their original
+  positions, the chunk's queries on the chunk's slots and zero queries
+  elsewhere), and the entries it keeps are written to the head's first slots,
+  in that order; pages past them are freed. The chunk's keys and values never
+  enter the pool before compression, so the pool needs room for what the
+  policy keeps only: the chunk lives in the program's scratch, a layer at a time.
 
   Policies that score from an observation window inside the chunk (the last
   queries before each head's length) or from the keys and values see what
@@ -290,37 +299,82 @@ def chunk_attention(
     select: the policy's prefill keep rule (``Policy.select``).
 
   Returns:
-    (cache with the chunk appended and each head compressed, out [B, C, N, H]).
+    (cache with each head compressed over its entries and the chunk, out [B, C, N, H]).
   """
   _check_qkv(cache, q, k, v, positions)
   check_array("lengths", lengths, "[B]", (q.shape[0],), "int")
-  _, cached = cache.layer_view(layer)
-  cache, out, (stored_k, stored_v) = _append_and_attend(cache, layer, q, k, v, positions,
-                                                         lengths)
   b, c, n, h = q.shape
   kh = k.shape[2]
-  table, filled = cache.layer_view(layer)
-  s = table.shape[-1] * cache.page_size
-  # Each (sequence, KV head) becomes a sequence of its own: [B * K, S, 1, H].
-  keys, values = stored_k.reshape(b * kh, s, 1, h), stored_v.reshape(b * kh, s, 1, h)
-  slot_pos = gather_pages(cache.positions, table).reshape(b * kh, s)
-  # The chunk's queries of group k sit on the slots the chunk was appended to.
-  slot = cached[..., None] + jnp.arange(c)  # [B, K, C]
-  slot = jnp.where(jnp.arange(c) < lengths[:, None, None], slot, s)  # padding: dropped
+  ps = cache.page_size
+  table, cached = cache.layer_view(layer)
+  s = table.shape[-1] * ps
+  stored = [gather_pages(pool, table) for pool in  # [B, K, S, ...]
+            (cache.k_pages, cache.v_pages, cache.positions, cache.scores)]
+  out = _attend_cached_and_chunk(q, k, v, stored[0], stored[1], cached)
+
+  # The union [B, K, U]: slots below `cached` hold the head's entries, the next
+  # `lengths` slots the chunk's tokens (an index into [stored, chunk]).
+  u = s + c
+  slot = jnp.arange(u)
+  src = jnp.where(slot < cached[..., None], slot, s + slot - cached[..., None])
+  src = jnp.clip(src, 0, u - 1)
+  chunk = (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2),
+           jnp.broadcast_to(positions[:, None, :], (b, kh, c)), jnp.zeros((b, kh, c)))
+
+  def union(x, y):
+    both = jnp.concatenate([x, y.astype(x.dtype)], axis=2)
+    return jnp.take_along_axis(both, src.reshape(src.shape + (1,) * (both.ndim - 3)), axis=2)
+
+  union_k, union_v, union_pos, union_scores = map(union, stored, chunk)
+  total = cached + lengths[:, None]  # [B, K]
+  # The chunk's queries of group k sit on the chunk's slots of the union.
+  q_slot = cached[..., None] + jnp.arange(c)  # [B, K, C]
+  q_slot = jnp.where(jnp.arange(c) < lengths[:, None, None], q_slot, u)  # padding: dropped
   qg = jnp.swapaxes(q.reshape(b, c, kh, n // kh, h), 1, 2)  # [B, K, C, G, H]
-  dense_q = jnp.zeros((b, kh, s, n // kh, h), q.dtype)
-  dense_q = dense_q.at[jnp.arange(b)[:, None, None], jnp.arange(kh)[None, :, None], slot].set(
-      qg, mode="drop").reshape(b * kh, s, n // kh, h)
-  head_lengths = filled.reshape(b * kh)
-  slot_pos = jnp.where(jnp.arange(s) < head_lengths[:, None], slot_pos, 0)
-  kept, _ = select(layer, Prompt(None, slot_pos, head_lengths), dense_q, keys, values)
-  keep = jnp.where(kept[:, 0] >= 0, jnp.arange(s), EMPTY).reshape(b, kh, s)
+  dense_q = jnp.zeros((b, kh, u, n // kh, h), q.dtype)
+  dense_q = dense_q.at[jnp.arange(b)[:, None, None], jnp.arange(kh)[None, :, None], q_slot].set(
+      qg, mode="drop").reshape(b * kh, u, n // kh, h)
+  head_lengths = total.reshape(b * kh)
+  slot_pos = jnp.where(slot < head_lengths[:, None], union_pos.reshape(b * kh, u), 0)
+  kept, _ = select(layer, Prompt(None, slot_pos, head_lengths),
+                   dense_q, union_k.reshape(b * kh, u, 1, h), union_v.reshape(b * kh, u, 1, h))
+  keep = (kept[:, 0] >= 0).reshape(b, kh, u) & (slot < total[..., None])
   # A sequence without new tokens keeps everything (its heads did not change).
-  keep = jnp.where((lengths > 0)[:, None, None], keep,
-                   jnp.where(jnp.arange(s) < filled[..., None], jnp.arange(s), EMPTY))
-  # The kept entries come from what the attention read: the compaction's writes
-  # then follow that read, and the pools are updated in place, not copied.
-  return cache.compact(layer, keep, entries=(stored_k, stored_v)), out
+  keep = jnp.where((lengths > 0)[:, None, None], keep, slot < cached[..., None])
+  return _store_kept(cache, layer, keep, (union_k, union_v, union_pos, union_scores)), out
+
+
+def _store_kept(cache: PagedKVCache, layer, keep, entries) -> PagedKVCache:
+  """Writes each head's kept entries to its first slots, in order, and frees the pages past them.
+
+  Args:
+    keep: [B, K, U] bool, the entries each head keeps (at most its capacity).
+    entries: (keys [B, K, U, H], values [B, K, U, H], positions [B, K, U],
+      scores [B, K, U]) to keep from.
+  """
+  ps, p_max = cache.page_size, cache.page_table.shape[-1]
+  s = p_max * ps
+  count = keep.sum(-1, dtype=jnp.int32)  # [B, K]
+  # Kept entries first, in slot order: the source of each of the head's slots.
+  order = jnp.argsort(~keep, axis=-1, stable=True)[..., :s]  # [B, K, S]
+  filled = jnp.arange(s) < count[..., None]
+  k, v, pos, scores = (jnp.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 3)),
+                                           axis=2) for x in entries)
+  pos = jnp.where(filled, pos, EMPTY)
+  scores = jnp.where(filled, scores, 0.0)
+  cache = cache.set_lengths(layer, count)
+  cache = cache.reserve(cache.lengths)
+  table = cache.page_table[:, layer]  # [B, K, P_max]
+  spare = (jnp.arange(p_max) >= -(-count // ps)[..., None]) & (table >= 0)
+  cache = cache.replace(page_table=cache.page_table.at[:, layer].set(
+      jnp.where(spare, EMPTY, table))).release(jnp.where(spare, table, EMPTY).reshape(-1))
+  page = jnp.repeat(jnp.where(spare | (table < 0), cache.num_pages, table), ps, axis=-1)
+  off = jnp.arange(s) % ps
+  return cache.replace(
+      k_pages=cache.k_pages.at[page, off].set(k.astype(cache.k_pages.dtype), mode="drop"),
+      v_pages=cache.v_pages.at[page, off].set(v.astype(cache.v_pages.dtype), mode="drop"),
+      positions=cache.positions.at[page, off].set(pos, mode="drop"),
+      scores=cache.scores.at[page, off].set(scores.astype(jnp.float32), mode="drop"))
 
 
 def decode_attention(
