@@ -12,6 +12,8 @@ from typing import Callable
 from absl import app
 from absl import flags
 
+from kvjax import host_memory
+
 
 def fail(message: str) -> None:
   """Prints ``error: message`` on stderr and exits with code 2 (a usage error)."""
@@ -33,5 +35,10 @@ def _parse_flags(argv):
 
 
 def run(main: Callable) -> None:
-  """``app.run(main)`` with a bad flag reported by ``fail``, not a usage dump."""
+  """``app.run(main)`` with a bad flag reported by ``fail``, not a usage dump.
+
+  The tool's process returns large freed blocks to the system at once
+  (``kvjax.host_memory.map_large_blocks``): its peak memory is what it holds.
+  """
+  host_memory.map_large_blocks()
   app.run(main, flags_parser=_parse_flags)

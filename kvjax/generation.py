@@ -547,6 +547,27 @@ class _Clock:
     return out
 
 
+# XLA:CPU options for generate's programs. The fusion emitters (the default)
+# took ~180 MiB of compiler memory for SmolLM2's chunked-prefill program and
+# ~100 MiB for its decode program, over what the process held; the classic
+# emitters take ~30 MiB, and the programs run as fast (in-process A/B on a
+# 2-core CPU, 8K prompt: decode 12.1 vs 12.2 ms/token compressed, 33.9 vs 33.4
+# full; one-shot prefill 25.6 vs 24.1 s, chunked 19.3 vs 20.5 s best of 3).
+_CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False}
+
+
+def _compile(lowered):
+  """``lowered.compile()``, with ``_CPU_COMPILER_OPTIONS`` on a CPU where XLA has them."""
+  if jax.default_backend() != "cpu":
+    return lowered.compile()
+  try:
+    return lowered.compile(compiler_options=_CPU_COMPILER_OPTIONS)
+  except jax.errors.JaxRuntimeError as e:  # an XLA without the option
+    if "No such compile option" not in str(e):
+      raise
+    return lowered.compile()
+
+
 def _compiled(fn, args, statics: dict):
   """The compiled program of ``fn`` for these statics and argument shapes.
 
@@ -560,7 +581,7 @@ def _compiled(fn, args, statics: dict):
     return _PROGRAMS[key], 0.0
   start = time.perf_counter()
   jitted = jax.jit(functools.partial(fn, **statics), donate_argnums=(1,))
-  program = jitted.lower(*args).compile()
+  program = _compile(jitted.lower(*args))
   host_memory.return_freed_memory()  # what the compiler freed
   _PROGRAMS[key] = program
   COMPILE_COUNT[fn.__name__.strip("_")] += 1

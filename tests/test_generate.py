@@ -1,5 +1,8 @@
 """Generation on a small random model: cache path vs. full forward, batching, compiles."""
 
+from unittest import mock
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
@@ -116,6 +119,14 @@ class GenerateTest(absltest.TestCase):
       kvjax.generate(self.lm, others, max_new_tokens=65, stop_ids=[])
     self.assertEqual(second[0], 0)  # no XLA compilation at all, helpers included
     self.assertEqual(generate_lib.COMPILE_COUNT, before)
+
+  def test_programs_compile_with_the_cpu_compiler_options(self):
+    lowered = jax.jit(lambda x: x * 2 + 1).lower(jnp.ones(4))
+    if jax.default_backend() == "cpu":  # this XLA has the options (no silent fallback)
+      lowered.compile(compiler_options=generate_lib._CPU_COMPILER_OPTIONS)
+    with mock.patch.dict(generate_lib._CPU_COMPILER_OPTIONS, {"xla_no_such_option": True}):
+      program = generate_lib._compile(lowered)  # an XLA without them: compiled without
+    np.testing.assert_array_equal(program(jnp.ones(4)), [3.0] * 4)
 
   def test_stats(self):
     result = kvjax.generate(self.lm, self.prompts, max_new_tokens=5, stop_ids=[])

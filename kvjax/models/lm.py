@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import gc
 import os
 from typing import Any, Mapping
 
@@ -283,6 +284,7 @@ def load(name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype=jnp
   # The loader's dict is handed over: its arrays are freed as they are joined.
   graphdef, params = _params_from(config, weights, dtype, scan_layers)
   # The host copies are gone; glibc would keep their pages (~30 MiB for SmolLM2).
+  gc.collect()
   host_memory.return_freed_memory()
   return LanguageModel(config, graphdef, params, tokenizer, str(path))
 
