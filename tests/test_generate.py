@@ -123,7 +123,8 @@ class GenerateTest(absltest.TestCase):
   def test_programs_compile_with_the_cpu_compiler_options(self):
     lowered = jax.jit(lambda x: x * 2 + 1).lower(jnp.ones(4))
     if jax.default_backend() == "cpu":  # this XLA has the options (no silent fallback)
-      lowered.compile(compiler_options=generate_lib._CPU_COMPILER_OPTIONS)
+      for options in generate_lib._CPU_PROGRAM_OPTIONS.values():
+        lowered.compile(compiler_options={**generate_lib._CPU_COMPILER_OPTIONS, **options})
     with mock.patch.dict(generate_lib._CPU_COMPILER_OPTIONS, {"xla_no_such_option": True}):
       program = generate_lib._compile(lowered)  # an XLA without them: compiled without
     np.testing.assert_array_equal(program(jnp.ones(4)), [3.0] * 4)
