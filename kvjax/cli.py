@@ -37,8 +37,10 @@ def _parse_flags(argv):
 def run(main: Callable) -> None:
   """``app.run(main)`` with a bad flag reported by ``fail``, not a usage dump.
 
-  The tool's process returns large freed blocks to the system at once
-  (``kvjax.host_memory.map_large_blocks``): its peak memory is what it holds.
+  The tool's process returns large freed blocks to the system at once and
+  keeps one heap arena for all its threads (``kvjax.host_memory``): its peak
+  memory is what it holds.
   """
   host_memory.map_large_blocks()
+  host_memory.single_arena()
   app.run(main, flags_parser=_parse_flags)

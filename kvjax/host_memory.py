@@ -63,6 +63,27 @@ def map_large_blocks(threshold: int = 1 << 20) -> bool:
   return bool(mallopt is not None and mallopt(_M_MMAP_THRESHOLD, int(threshold)))
 
 
+# mallopt's parameter for the most heap arenas glibc creates (malloc.h).
+_M_ARENA_MAX = -8
+
+
+def single_arena() -> bool:
+  """Makes every thread allocate from glibc's main heap arena.
+
+  glibc gives each new thread that allocates an arena of its own (up to 8 per
+  core), and blocks freed in one stay resident there, out of reach of the
+  other threads; XLA's runtime threads each kept some. One arena: an 8K chunked
+  prefill's peak resident set fell by ~12 MiB, a one-shot one's by ~3
+  (SmolLM2 packed, budget 1024, 2-core CPU), at the same speed. Process-wide
+  and for arenas not yet created: call it at start, as the command-line tools do.
+
+  Returns:
+    Whether the limit was set (False where there is no glibc ``mallopt``).
+  """
+  mallopt = getattr(_libc(), "mallopt", None)
+  return bool(mallopt is not None and mallopt(_M_ARENA_MAX, 1))
+
+
 def drop_file_pages(view: np.ndarray, file_map: np.ndarray) -> None:
   """Takes the pages under ``view``, a part of the read-only file map ``file_map``, out of RSS.
 

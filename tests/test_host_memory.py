@@ -86,3 +86,46 @@ def test_a_large_block_goes_back_to_the_system_when_freed():
   assert grown >= 15 * 1024
   # Without map_large_blocks the block stayed: 16.7 MiB measured.
   assert kept <= 2 * 1024
+
+
+# Threads that allocate at the same time (ctypes calls release the GIL), then
+# the number of heap arenas glibc reports (malloc_info). A fresh interpreter:
+# a test worker's threads may already have arenas of their own.
+_ARENA_CHECK = """
+import ctypes, os, sys, tempfile, threading
+from kvjax import host_memory
+
+if sys.argv[1] == "single":
+  assert host_memory.single_arena()
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+libc.fopen.restype = ctypes.c_void_p
+libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+libc.fclose.argtypes = [ctypes.c_void_p]
+
+def allocate():
+  for _ in range(2000):
+    libc.free(libc.malloc(4096))
+
+threads = [threading.Thread(target=allocate) for _ in range(4)]
+for t in threads:
+  t.start()
+for t in threads:
+  t.join()
+path = os.path.join(tempfile.mkdtemp(), "malloc_info.xml")
+f = libc.fopen(path.encode(), b"w")
+libc.malloc_info(0, f)
+libc.fclose(f)
+print(open(path).read().count("<heap nr="))
+"""
+
+
+def _arenas(mode: str) -> int:
+  return int(subprocess.run([sys.executable, "-c", _ARENA_CHECK, mode], capture_output=True,
+                            text=True, check=True).stdout)
+
+
+def test_single_arena_keeps_every_thread_on_the_main_heap():
+  assert _arenas("default") > 1  # glibc's default: the threads' arenas of their own
+  assert _arenas("single") == 1

@@ -329,13 +329,16 @@ def chunk_attention(
 
   union_k, union_v, union_pos, union_scores = map(union, stored, chunk)
   total = cached + lengths[:, None]  # [B, K]
-  # The chunk's queries of group k sit on the chunk's slots of the union.
-  q_slot = cached[..., None] + jnp.arange(c)  # [B, K, C]
-  q_slot = jnp.where(jnp.arange(c) < lengths[:, None, None], q_slot, u)  # padding: dropped
+  # The chunk's queries of group k sit on the chunk's slots of the union, zero
+  # elsewhere. Gathered rather than scattered into zeros: XLA fuses the gather
+  # into the policy's reads (a window's rows), and the [B*K, U, G, H] array is
+  # not materialized (twice, with the scatter's transposed copy: 2 x 3.4 MiB of
+  # scratch for SmolLM2 at budget 1024).
   qg = jnp.swapaxes(q.reshape(b, c, kh, n // kh, h), 1, 2)  # [B, K, C, G, H]
-  dense_q = jnp.zeros((b, kh, u, n // kh, h), q.dtype)
-  dense_q = dense_q.at[jnp.arange(b)[:, None, None], jnp.arange(kh)[None, :, None], q_slot].set(
-      qg, mode="drop").reshape(b * kh, u, n // kh, h)
+  q_index = slot - cached[..., None]  # [B, K, U]: the chunk token on each slot
+  on_chunk = (q_index >= 0) & (q_index < lengths[:, None, None])
+  dense_q = jnp.take_along_axis(qg, jnp.clip(q_index, 0, c - 1)[..., None, None], axis=2)
+  dense_q = jnp.where(on_chunk[..., None, None], dense_q, 0).reshape(b * kh, u, n // kh, h)
   head_lengths = total.reshape(b * kh)
   slot_pos = jnp.where(slot < head_lengths[:, None], union_pos.reshape(b * kh, u), 0)
   kept, _ = select(layer, Prompt(None, slot_pos, head_lengths),
