@@ -281,6 +281,7 @@ def load(name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype=jnp
     from kvjax.models.tokenizer import Tokenizer
     config, weights, metadata = gguf_loader.load_gguf(path, packed=packed)
     tokenizer = Tokenizer.from_gguf_metadata(metadata)
+    del metadata  # the vocabulary as Python objects: freed before the trim below
   # The loader's dict is handed over: its arrays are freed as they are joined.
   graphdef, params = _params_from(config, weights, dtype, scan_layers)
   # The host copies are gone; glibc would keep their pages (~30 MiB for SmolLM2).
