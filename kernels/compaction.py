@@ -43,8 +43,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
 
 from kvjax.kernels import platform
 
@@ -135,6 +133,7 @@ def compact_dma_kernel(src_page_ref, src_off_ref, dst_page_ref, len_ref, *refs, 
   """TPU form, grid (R,). Scalar-prefetched (SMEM): src_page/src_off [R * P_max * S_page],
   dst_page [R * P_max], new lengths [R]. refs: the pools (aliased inputs, unused),
   the pools (outputs, HBM), one VMEM page buffer per pool."""
+  pltpu = platform.tpu()
   outs = refs[num_pools:2 * num_pools]
   bufs = refs[2 * num_pools:]
   row = pl.program_id(0)
@@ -167,6 +166,7 @@ def compact_gather_kernel(src_ref, dst_ref, len_ref, *refs, num_pools: int, page
   """GPU form, grid (R,). src_ref [P_pad * S_page] flat source slot per destination slot;
   dst_ref [P_pad] destination pages; len_ref [1]; refs: the flattened pools
   [P * S_page, ...] (aliased inputs, unused), then the same as outputs."""
+  pltriton = platform.triton()
   outs = refs[num_pools:]
   new_len = len_ref[0]
   n_pages = jax.lax.div(new_len + page_size - 1, page_size)
@@ -216,6 +216,7 @@ def _validate(pools, page_table, lengths, keep, fills) -> None:
 
 
 def _call_dma(pools, src_page, src_off, dst_page, new_len, *, fills, interpret):
+  pltpu = platform.tpu()
   r, p_max = dst_page.shape
   page_size = pools[0].shape[1]
   n = len(pools)

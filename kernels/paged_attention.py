@@ -42,8 +42,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
 
 from kvjax.kernels import platform
 
@@ -326,6 +324,7 @@ def _call_pipelined(q, k_pages, v_pages, table, lengths, *, ppb, return_weights,
   Returns out [B, K, G, H], lse [B, K, G] and, with return_weights, block
   numerators [B, K, blocks, G, C] and their running maxima [B, K, blocks, G].
   """
+  pltpu = platform.tpu()
   b, kh, g, h = q.shape
   p_pad = table.shape[2]
   page_size = k_pages.shape[1]

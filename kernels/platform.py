@@ -15,19 +15,33 @@ and ``tl.dot`` operands with every side >= 16, so kernels pad rows with
 CPU: kernels run in Pallas' interpreter. The generic interpreter runs the
 GPU form; ``pltpu.force_tpu_interpret_mode()`` (or an ``InterpretParams``
 passed as ``interpret``) runs the TPU form, scalar prefetch and DMAs included.
+
+The TPU and GPU Pallas modules (``tpu()``, ``triton()``) are imported when a
+kernel first builds its call, not with kvjax: a CPU process on the native or
+XLA backend never uses them, and they would hold ~9 MiB of its memory.
 """
 
 from __future__ import annotations
 
 import jax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
 
 TPU = "mosaic_tpu"
 GPU = "triton"
 # tl.dot needs at least this many rows and columns.
 MIN_DOT = 16
+
+
+def tpu():
+  """``jax.experimental.pallas.tpu`` (Mosaic), imported on first use."""
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+  return pltpu
+
+
+def triton():
+  """``jax.experimental.pallas.triton``, imported on first use."""
+  from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
+  return pltriton
 
 
 def tpu_interpret_forced() -> bool:
@@ -39,7 +53,8 @@ def tpu_interpret_forced() -> bool:
 
 def lowering(interpret) -> str:
   """TPU (Mosaic) or GPU (Triton) form for a kernel called with this ``interpret``."""
-  if isinstance(interpret, pltpu.InterpretParams) or tpu_interpret_forced():
+  params = interpret is not None and not isinstance(interpret, bool)  # not a plain flag
+  if tpu_interpret_forced() or (params and isinstance(interpret, tpu().InterpretParams)):
     return TPU
   return TPU if jax.default_backend() == "tpu" else GPU
 
@@ -51,8 +66,8 @@ def compiler_params(form: str, num_dims: int, *, sequential_last: bool = False):
   """
   if form == TPU:
     sems = ("parallel",) * (num_dims - 1) + ("arbitrary" if sequential_last else "parallel",)
-    return pltpu.CompilerParams(dimension_semantics=sems)
-  return pltriton.CompilerParams(num_warps=4, num_stages=2)
+    return tpu().CompilerParams(dimension_semantics=sems)
+  return triton().CompilerParams(num_warps=4, num_stages=2)
 
 
 def pad_rows(rows: int, form: str) -> int:

@@ -2,7 +2,8 @@
 
 A package named `kernels` exists on PyPI; shipping ours under that name would
 clash in site-packages. The wheel is built from a copy of the checkout so the
-build leaves nothing behind in it.
+build leaves nothing behind in it. Importing kvjax leaves Pallas' TPU and GPU
+lowerings unloaded until a kernel asks for them.
 """
 
 from __future__ import annotations
@@ -106,3 +107,31 @@ def test_source_tree_imports_kvjax_kernels(tmp_path):
   assert _inside(found["kvjax"], ROOT), f"kvjax is imported from elsewhere: {found['kvjax']}"
   assert _inside(found["kvjax.kernels"], ROOT / "kernels"), found
   assert not _inside(found["kernels"], ROOT), found
+
+
+# Printed by a fresh interpreter: the Pallas lowerings loaded after importing kvjax
+# and its tools, then after asking for each lowering's compiler parameters.
+LOWERINGS = """
+import json, sys
+import kvjax, kvjax.bench.runner, kvjax.eval.runner
+from kvjax.kernels import platform
+names = ("jax.experimental.pallas.tpu", "jax.experimental.pallas.triton")
+loaded = lambda: [n for n in names if n in sys.modules]
+found = {"imported": loaded()}
+params = {form: type(platform.compiler_params(form, 2)).__module__
+          for form in (platform.TPU, platform.GPU)}
+print(json.dumps({**found, "after_kernels": loaded(), "params": params}))
+"""
+
+
+def test_pallas_lowerings_load_when_a_kernel_needs_them(tmp_path):
+  # On a CPU, the native and XLA backends never lower a Pallas kernel: the TPU
+  # and Triton modules (~9 MiB resident) stay out of the process until one does.
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  found = json.loads(_run([sys.executable, "-c", LOWERINGS], cwd=tmp_path,
+                          env=env).strip().splitlines()[-1])
+  assert found["imported"] == [], found
+  assert found["after_kernels"] == ["jax.experimental.pallas.tpu",
+                                    "jax.experimental.pallas.triton"], found
+  assert "mosaic" in found["params"]["mosaic_tpu"], found
+  assert "triton" in found["params"]["triton"], found
