@@ -12,7 +12,8 @@ from kvjax.bench import runner
 
 FIELDS = ("model", "policy", "budget", "context_length", "batch_size", "decode_steps", "fill",
           "backend", "decode_ms_per_token", "decode_tokens_per_s", "prefill_s", "kv_bytes",
-          "peak_rss_bytes", "rss_after_load_bytes", "load_peak_rss_bytes", "memory_note",
+          "peak_rss_bytes", "rss_after_load_bytes", "load_peak_rss_bytes",
+          "rss_file_after_load_bytes", "memory_note",
           "scan_layers", "buffer_peak_bytes", "buffer_peak_program", "compilation_cache",
           "programs_compiled", "programs_from_cache")
 
@@ -29,6 +30,7 @@ def test_measure_row(smollm2_lm, fill, policy, budget):
   assert row["decode_ms_per_token"] > 0 and row["peak_rss_bytes"] > 0
   # (ru_maxrss is updated lazily: VmRSS may read a little above it.)
   assert row["rss_after_load_bytes"] > 0
+  assert 0 < row["rss_file_after_load_bytes"] < row["rss_after_load_bytes"]
   assert 0 < row["load_peak_rss_bytes"] <= row["peak_rss_bytes"]
   # The weights and the cache are live while the decode program runs.
   params = sum(x.nbytes for x in jax.tree.leaves(smollm2_lm.params))

@@ -58,12 +58,16 @@ def peak_rss_bytes() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def rss_bytes() -> int | None:
-  """This process's resident set size now (Linux /proc), else None."""
+def rss_bytes(field: str = "VmRSS") -> int | None:
+  """This process's resident set size now (Linux /proc), else None.
+
+  ``field``: "VmRSS" (all of it), "RssAnon" (heap and other anonymous memory)
+  or "RssFile" (mapped files' pages: mostly the jax library's code).
+  """
   try:
     with open("/proc/self/status") as f:
       for line in f:
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
           return int(line.split()[1]) * 1024
   except OSError:
     pass
@@ -122,7 +126,7 @@ def measure(cfg: BenchConfig, lm=None) -> dict:
   fields = policies.window_fields(cfg.policy, cfg.window)
   policy = policies.get(cfg.policy, **fields).bind(lm.tokenizer)
   policy.validate(cfg.budget)
-  load_peak, rss_loaded = peak_rss_bytes(), rss_bytes()
+  load_peak, rss_loaded, rss_file = peak_rss_bytes(), rss_bytes(), rss_bytes("RssFile")
   run = _prompt_run if fill == "prompt" else _synthetic_run
   with buffer_memory.track() as buffers:
     row = run(lm, cfg, policy)
@@ -138,7 +142,7 @@ def measure(cfg: BenchConfig, lm=None) -> dict:
       "decode_ms_per_token": 1e3 * decode_s / steps,
       "decode_tokens_per_s": cfg.batch_size * steps / decode_s,
       "peak_rss_bytes": peak_rss_bytes(), "rss_after_load_bytes": rss_loaded,
-      "load_peak_rss_bytes": load_peak,
+      "load_peak_rss_bytes": load_peak, "rss_file_after_load_bytes": rss_file,
       "device_peak_bytes": device_peak_bytes(),
       "buffer_peak_bytes": buffers.bytes, "buffer_peak_program": buffers.program,
       "compilation_cache": cfg.compilation_cache,
@@ -147,7 +151,10 @@ def measure(cfg: BenchConfig, lm=None) -> dict:
       "programs_from_cache": _PROGRAMS["from_cache"] - before["from_cache"],
       "memory_note": ("peak_rss_bytes: the process's peak resident set (ru_maxrss), model "
                       "loading included; rss_after_load_bytes: the resident set once the "
-                      "model is loaded (VmRSS), load_peak_rss_bytes: the peak by then; "
+                      "model is loaded (VmRSS), load_peak_rss_bytes: the peak by then, "
+                      "rss_file_after_load_bytes: mapped files' pages in it (RssFile; "
+                      "mostly jaxlib's code, more when the library's files were written "
+                      "recently, e.g. by pip, than once read back from disk); "
                       "device_peak_bytes: memory_stats() where the backend has it; "
                       "buffer_peak_bytes: the most bytes of live jax arrays plus a program's "
                       "scratch and new outputs at the start of any program run "
