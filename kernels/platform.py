@@ -53,8 +53,7 @@ def tpu_interpret_forced() -> bool:
 
 def lowering(interpret) -> str:
   """TPU (Mosaic) or GPU (Triton) form for a kernel called with this ``interpret``."""
-  params = interpret is not None and not isinstance(interpret, bool)  # not a plain flag
-  if tpu_interpret_forced() or (params and isinstance(interpret, tpu().InterpretParams)):
+  if isinstance(interpret, tpu().InterpretParams) or tpu_interpret_forced():
     return TPU
   return TPU if jax.default_backend() == "tpu" else GPU
 
