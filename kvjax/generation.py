@@ -485,7 +485,7 @@ def _decode_body(params, cache, first_logits, next_pos, limit, rng, stops, tempe
     positions = (next_pos + step - 1)[:, None]  # [B, 1]
 
     def attend(cache, layer, q, k, v):
-      return attention_lib.decode_attention(cache, layer, q, k, v, positions, backend=backend,
+      return attention_lib.decode_attention(cache, layer, q, k, v, positions,
                                             accumulate=policy.accumulates_attention)
 
     cache = policy.before_decode_step(cache, limit, positions[:, 0])

@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import backend as backend_lib
 from kvjax import policies
 from kvjax import testing
 from kvjax.cache import EMPTY
@@ -572,8 +573,8 @@ def test_jit_and_no_jit_agree_and_a_program_is_deterministic(program):
 @functools.partial(jax.jit, static_argnames=("backend",))
 def _decode_attention(cache, layer, q, k, v, positions, *, backend):
   cache = cache.reserve(cache.lengths + 1)
-  return attention.decode_attention(cache, layer, q, k, v, positions, backend=backend,
-                                    accumulate=True)
+  with backend_lib.use(backend):
+    return attention.decode_attention(cache, layer, q, k, v, positions, accumulate=True)
 
 
 @hypothesis.settings(EQUIVALENCE_SETTINGS, max_examples=max(EXAMPLES // 40, 3))

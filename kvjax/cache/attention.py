@@ -390,14 +390,15 @@ def decode_attention(
     v: jax.Array,
     positions: jax.Array,
     *,
-    backend: str = "xla",
     accumulate: bool = False,
 ) -> tuple[PagedKVCache, jax.Array]:
   """Appends one token per sequence, then attends over the layer's pages.
 
+  The attention is the ambient backend's ``paged_attention`` op
+  (``kvjax.backend.use``; "auto" resolves per op when the program is traced).
+
   Args:
     q: [B, 1, N, H]; k, v: [B, 1, K, H]; positions: [B, 1] int32.
-    backend: "xla", "pallas" or "native" (see kvjax.backend).
     accumulate: add the attention each slot receives (mean over the query
       heads of its KV head) to ``cache.scores`` (H2O-style policies).
 
@@ -407,7 +408,7 @@ def decode_attention(
   _check_qkv(cache, q, k, v, positions, t=1)
   cache = cache.append(layer, k, v, positions)
   table, lengths = cache.layer_view(layer)
-  attend = backend_lib.paged_attention_fn(backend)
+  attend = backend_lib.get("paged_attention")
   if not accumulate:
     out = attend(q[:, 0], cache.k_pages, cache.v_pages, table, lengths)
     return cache, out[:, None]

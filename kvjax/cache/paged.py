@@ -21,6 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from kvjax import backend as backend_lib
+from kvjax.kernels.compaction import source_slots
+
 EMPTY = -1  # page id of an absent page, original position of an empty slot
 
 
@@ -357,8 +360,6 @@ class PagedKVCache:
     (the ``compact_slots`` op of the ambient backend: Pallas in place, or the
     XLA reference) and the pages past them go back on the free stack.
     """
-    from kvjax import backend as backend_lib  # the cache module itself stays kernel-agnostic
-
     _check_layer(layer, self.num_layers)
     b, kh = self.batch_size, self.num_kv_heads
     check_array("keep", keep, "[B, K, S_keep]", (b, kh, None), "int")
@@ -380,8 +381,6 @@ class PagedKVCache:
   def _write_kept(self, entries, kept_pages, lengths, keep):
     """``compact``'s keys and values from ``entries``: the pools with each row's kept
     entries written to its kept pages ([R, P_max], -1 past them), in slot order."""
-    from kvjax.kernels.compaction import source_slots  # index math, no kernel
-
     r, p_max = kept_pages.shape
     ps, h = self.page_size, self.k_pages.shape[-1]
     src, _ = source_slots(keep, lengths, p_max * ps)  # [R, S]
