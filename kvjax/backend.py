@@ -3,15 +3,26 @@
 Every kernel op has an ``"xla"`` implementation (its reference), most a
 ``"pallas"`` one, with one signature; paged decode attention, a prompt's
 causal attention and the packed weights' products also have a ``"native"``
-one for CPU (C++ through XLA's FFI,
-``kvjax.kernels.native``, compiled on first use into
-``$KVJAX_CACHE_DIR/native``). ``"auto"`` picks Pallas on GPU/TPU when the op
-has a Pallas kernel, native on CPU when the op has one and it builds
-(``KVJAX_NATIVE=0`` turns that off), and XLA elsewhere; ``"xla"``,
-``"pallas"`` and ``"native"`` force one side (a forced ``"pallas"`` or
-``"native"`` runs XLA for ops without such an implementation). A forced
-``"pallas"`` on CPU runs the kernel in Pallas' interpreter (slow, but the same
-kernel body), so CPU tests exercise it.
+one for CPU (C++ through XLA's FFI, ``kvjax.kernels.native``, compiled on
+first use into ``$KVJAX_CACHE_DIR/native``).
+
+One mechanism chooses: the ambient backend. ``use(name)`` sets it while a
+program is traced (generation wraps each program body in it, and keys its
+compiled programs by the name); ``get(op)`` returns ``op``'s implementation
+for it, resolving ``"auto"`` per op (``resolve``). Outside ``use`` it is
+``"xla"``.
+
+  "auto"    per (platform, op), what a committed measurement showed fastest
+            (``kvjax.backend_choices``), XLA where nothing was measured; the
+            CPU's native kernels only where they build (any failure to build
+            or cache them, a compiler's or the cache folder's, warns once and
+            leaves XLA; ``KVJAX_NATIVE=0`` keeps XLA too).
+  "xla"     the references.
+  "pallas"  the Pallas kernels, XLA for ops without one; on a CPU the kernel
+            runs in Pallas' interpreter (slow, but the same kernel body), so
+            CPU tests exercise it.
+  "native"  the C++ kernels (CPU only), XLA for ops without one; raises
+            ``NativeUnavailable`` with the reason where they do not build.
 
 Ops (name: signature of the reference):
   paged_attention   kvjax.kernels.paged_attention.paged_attention_reference
@@ -23,14 +34,6 @@ Ops (name: signature of the reference):
   causal_attention  kvjax.kernels.causal_attention.causal_attention_reference (no Pallas kernel)
   quantized_matmul  kvjax.kernels.quantized.quantized_matmul_reference (no Pallas kernel)
   dequantize        kvjax.kernels.quantized.dequantize_reference (no Pallas kernel)
-
-The segmentation ops stay on XLA under "auto" even on GPU/TPU: their kernels
-are sequential scalar walks, O(T) steps per sequence beside an O(T^2)
-prefill, tested only in interpret mode here; "pallas" forces them.
-
-Code whose signature cannot carry a backend (a policy's ``score``) asks for
-the ambient one, ``current()``, which generation sets with ``use(backend)``
-while it traces a program; outside ``use`` it is "xla".
 """
 
 from __future__ import annotations
@@ -52,15 +55,18 @@ from kvjax.kernels.paged_attention import paged_attention
 from kvjax.kernels.paged_attention import paged_attention_reference
 from kvjax.kernels import native
 from kvjax.kernels import quantized
+from kvjax.kernels.causal_attention import causal_attention_fused
 from kvjax.kernels.causal_attention import causal_attention_reference
 from kvjax.kernels import segmentation
 from kvjax.kernels.window_scoring import token_norms
 from kvjax.kernels.window_scoring import token_norms_reference
 from kvjax.kernels.window_scoring import window_scores
 from kvjax.kernels.window_scoring import window_scores_reference
+from kvjax import backend_choices
+from kvjax import paths
 
 BACKENDS = ("auto", "xla", "pallas", "native")
-# Setting it to "0" keeps "auto" on XLA on CPU.
+# Setting it to "0" keeps "auto" off the native kernels.
 NATIVE_ENV = "KVJAX_NATIVE"
 
 
@@ -99,9 +105,6 @@ def _pallas_dynamic_split(density, candidate, lengths, *, chunk, delta, alpha):
                                     alpha=alpha, interpret=_interpret())
 
 
-# Ops that "auto" keeps on XLA (see the module docstring).
-_XLA_UNDER_AUTO = frozenset({"segment_ids", "dynamic_split"})
-
 # op -> backend -> implementation.
 _OPS: dict[str, dict[str, Callable]] = {
     "paged_attention": {"xla": paged_attention_reference, "pallas": _pallas_paged_attention,
@@ -112,7 +115,8 @@ _OPS: dict[str, dict[str, Callable]] = {
     "segment_ids": {"xla": segmentation.segment_ids_checked, "pallas": _pallas_segment_ids},
     "dynamic_split": {"xla": segmentation.dynamic_split_checked, "pallas": _pallas_dynamic_split},
     "causal_attention": {"xla": causal_attention_reference,
-                         "native": native.causal_attention_cpu},
+                         "native": native.causal_attention_cpu,
+                         "fused": causal_attention_fused},
     "quantized_matmul": {"xla": quantized.quantized_matmul_reference,
                          "native": native.quantized_matmul_cpu},
     "dequantize": {"xla": quantized.dequantize_reference, "native": native.dequantize_cpu},
@@ -132,21 +136,25 @@ def register(op: str, backend: str, fn: Callable) -> None:
   _OPS.setdefault(op, {})[backend] = fn
 
 
-def register_paged_attention(backend: str, fn: Callable) -> None:
-  """Registers an implementation of paged decode attention for a backend."""
-  register("paged_attention", backend, fn)
+NativeUnavailable = native.NativeUnavailable
 
 
 @functools.cache
 def _native_error() -> str | None:
   """Why the native kernels cannot run here (None when they can); builds them once."""
-  # The cache folder. Imported here: kvjax.models imports this module (through kvjax.cache).
-  from kvjax.models import registry
+  folder = paths.cache_dir() / "native"
   try:
-    native.load(registry.model_cache_dir() / "native")
+    native.load(folder)
   except native.NativeUnavailable as e:
     return str(e)
+  except OSError as e:  # the cache folder: unwritable, full, or under a file
+    return f"cannot build into {folder}: {e}"
   return None
+
+
+@functools.cache
+def _warn_native_unavailable(error: str) -> None:
+  warnings.warn(f"kvjax: native CPU kernels unavailable, using XLA: {error}", stacklevel=3)
 
 
 def native_available() -> bool:
@@ -159,12 +167,28 @@ def native_available() -> bool:
     return False
   error = _native_error()
   if error is not None:
-    warnings.warn(f"kvjax: native CPU kernels unavailable, using XLA: {error}", stacklevel=2)
+    _warn_native_unavailable(error)
   return error is None
 
 
+def _auto(op: str, platform: str) -> str:
+  """What "auto" runs for ``op`` here: the table's choice where it can run, else XLA."""
+  choice = backend_choices.auto_choice(platform, op).backend
+  if choice not in _OPS[op]:
+    return "xla"
+  if choice == "native":
+    wanted = os.environ.get(NATIVE_ENV, "1") != "0"
+    return "native" if wanted and native_available() else "xla"
+  return choice
+
+
 def resolve(backend: str, op: str = "paged_attention") -> str:
-  """Maps "auto" to a concrete backend for ``op``; validates the names."""
+  """The concrete backend ("xla", "pallas" or "native") that runs ``op`` under ``backend``.
+
+  Raises:
+    ValueError: an unknown backend or op, or "native" off the CPU.
+    NativeUnavailable: "native" where the C++ kernels do not build (the reason).
+  """
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
   if op not in _OPS:
@@ -172,11 +196,7 @@ def resolve(backend: str, op: str = "paged_attention") -> str:
   impls = _OPS[op]
   platform = jax.default_backend()
   if backend == "auto":
-    if platform in ("gpu", "tpu"):
-      wants_pallas = op not in _XLA_UNDER_AUTO
-      return "pallas" if wants_pallas and "pallas" in impls else "xla"
-    wants_native = os.environ.get(NATIVE_ENV, "1") != "0" and "native" in impls
-    return "native" if wants_native and native_available() else "xla"
+    return _auto(op, platform)
   if backend == "native":
     if platform != "cpu":
       raise ValueError(f"backend 'native' runs on CPU only; the default device is {platform}")
@@ -184,7 +204,7 @@ def resolve(backend: str, op: str = "paged_attention") -> str:
       return "xla"
     error = _native_error()
     if error is not None:
-      raise native.NativeUnavailable(error)
+      raise NativeUnavailable(f"backend 'native' cannot run here: {error}")
     return "native"
   return backend if backend in impls else "xla"
 
@@ -192,11 +212,6 @@ def resolve(backend: str, op: str = "paged_attention") -> str:
 def get(op: str, backend: str | None = None) -> Callable:
   """The implementation of ``op`` for a backend (default: the ambient ``current()``)."""
   return _OPS[op][resolve(current() if backend is None else backend, op)]
-
-
-def paged_attention_fn(backend: str) -> Callable:
-  """The paged decode attention of a backend (signature of the reference)."""
-  return get("paged_attention", backend)
 
 
 _CURRENT = contextvars.ContextVar("kvjax_backend", default="xla")

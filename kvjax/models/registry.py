@@ -18,9 +18,7 @@ import sys
 import tempfile
 import zipfile
 
-import platformdirs
-
-_CACHE_ENV = "KVJAX_CACHE_DIR"
+from kvjax import paths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,16 +61,9 @@ def _how_to() -> str:
   return "\n".join(lines)
 
 
-def model_cache_dir(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
-  """Where downloaded models live: the argument, else $KVJAX_CACHE_DIR, else the user cache."""
-  if cache_dir is None:
-    cache_dir = os.environ.get(_CACHE_ENV) or platformdirs.user_cache_dir("kvjax")
-  return pathlib.Path(cache_dir)
-
-
 def _cached_path(source: ModelSource, cache_dir: str | os.PathLike | None) -> pathlib.Path:
   # The version is in the folder name so two pins never share a file.
-  return model_cache_dir(cache_dir) / f"{source.package}-{source.version}" / source.filename
+  return paths.cache_dir(cache_dir) / f"{source.package}-{source.version}" / source.filename
 
 
 def installed_file(source: ModelSource) -> pathlib.Path | None:

@@ -1,0 +1,117 @@
+"""Tests for kvjax.backend: one ambient switch, "auto" per op from a table of measurements."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from unittest import mock
+
+import pytest
+
+from kvjax import backend as backend_lib
+from kvjax import backend_choices
+from kvjax.kernels import native
+
+
+@pytest.fixture
+def fresh_native(monkeypatch):
+  """Forgets whether the native kernels built, and which failures were warned about."""
+  backend_lib._native_error.cache_clear()
+  backend_lib._warn_native_unavailable.cache_clear()
+  yield
+  backend_lib._native_error.cache_clear()
+  backend_lib._warn_native_unavailable.cache_clear()
+
+
+def test_every_choice_names_a_real_implementation_and_its_reason():
+  for (platform, op), choice in backend_choices.AUTO_CHOICES.items():
+    assert platform in ("cpu", "gpu", "tpu"), platform
+    assert op in backend_lib.ops(), op
+    assert choice.backend in backend_lib._OPS[op], (platform, op, choice)
+    assert choice.why and choice.why != "not measured", (platform, op)
+    # The interpreter is never the fast side; native kernels run only on CPU.
+    assert not (platform == "cpu" and choice.backend == "pallas"), (platform, op)
+    assert not (platform != "cpu" and choice.backend == "native"), (platform, op)
+
+
+def test_unmeasured_pairs_run_xla():
+  assert backend_choices.auto_choice("tpu", "paged_attention") == backend_choices.NOT_MEASURED
+  assert backend_choices.NOT_MEASURED.backend == "xla"
+
+
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_auto_on_accelerators_follows_the_table(platform):
+  with mock.patch.object(backend_lib.jax, "default_backend", return_value=platform):
+    for op in backend_lib.ops():
+      want = backend_choices.auto_choice(platform, op).backend
+      assert backend_lib.resolve("auto", op) == want, op
+  # The H200 measured XLA faster for paged decode attention.
+  assert backend_choices.auto_choice("gpu", "paged_attention").backend == "xla"
+
+
+def test_auto_resolves_per_op_in_the_ambient_backend():
+  with backend_lib.use("auto"):
+    assert backend_lib.current() == "auto"
+    for op in backend_lib.ops():
+      assert backend_lib.get(op) is backend_lib._OPS[op][backend_lib.resolve("auto", op)]
+  # On a CPU: the segmentation ops on XLA, paged attention native where it builds.
+  with backend_lib.use("auto"):
+    assert backend_lib.get("segment_ids") is backend_lib._OPS["segment_ids"]["xla"]
+    want = "native" if backend_lib.native_available() else "xla"
+    assert backend_lib.get("paged_attention") is backend_lib._OPS["paged_attention"][want]
+
+
+def test_no_second_mechanism():
+  assert not hasattr(backend_lib, "paged_attention_fn")
+  assert not hasattr(backend_lib, "register_paged_attention")
+
+
+def test_an_unwritable_cache_folder_leaves_auto_on_xla_with_one_warning(fresh_native, monkeypatch):
+  monkeypatch.setattr(native, "load", mock.Mock(side_effect=PermissionError("read-only")))
+  with pytest.warns(UserWarning, match="native CPU kernels unavailable.*read-only") as seen:
+    assert backend_lib.resolve("auto", "paged_attention") == "xla"
+    assert backend_lib.resolve("auto", "causal_attention") == "xla"
+    assert backend_lib.native_available() is False
+  assert len(seen) == 1
+  assert native.load.call_count == 1  # tried once per process
+  with pytest.raises(backend_lib.NativeUnavailable, match="cannot run here.*read-only"):
+    backend_lib.resolve("native")
+
+
+# A fresh interpreter: the kernels are built (or loaded) once per process.
+_NATIVE_IN_FRESH_PROCESS = """
+import warnings
+from kvjax import backend
+with warnings.catch_warnings(record=True) as seen:
+  warnings.simplefilter("always")
+  auto = [backend.resolve("auto", op) for op in ("paged_attention", "causal_attention")]
+print(auto, len(seen))
+try:
+  backend.resolve("native")
+except backend.NativeUnavailable as e:
+  print("NativeUnavailable:", str(e).splitlines()[0])
+"""
+
+
+def _fresh(tmp_path, **env) -> list[str]:
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", **env}
+  env.pop(backend_lib.NATIVE_ENV, None)
+  done = subprocess.run([sys.executable, "-c", _NATIVE_IN_FRESH_PROCESS], capture_output=True,
+                        text=True, env=env, cwd=tmp_path, timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]  # no traceback
+  return done.stdout.strip().splitlines()
+
+
+def test_a_cache_folder_under_a_file_falls_back_in_a_fresh_process(tmp_path):
+  (tmp_path / "a_file").write_text("")
+  lines = _fresh(tmp_path, KVJAX_CACHE_DIR=str(tmp_path / "a_file" / "cache"))
+  assert lines[0] == "['xla', 'xla'] 1"
+  assert lines[1].startswith("NativeUnavailable: backend 'native' cannot run here: cannot build")
+
+
+def test_no_compiler_falls_back_under_auto_and_explains_when_forced(tmp_path):
+  lines = _fresh(tmp_path, KVJAX_CACHE_DIR=str(tmp_path / "cache"),
+                 CXX=str(tmp_path / "no-such-compiler"))
+  assert lines[0] == "['xla', 'xla'] 1"
+  assert "no-such-compiler" in lines[1] and "does not run" in lines[1]
