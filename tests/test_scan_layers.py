@@ -8,9 +8,9 @@ from absl.testing import absltest
 from flax import nnx
 
 import kvjax
-from kvjax import generation
 from kvjax import policies
 from kvjax import testing
+from kvjax.generation import compile as compile_lib
 from kvjax.models import lm as lm_lib
 
 CONFIG = kvjax.LlamaConfig(
@@ -73,10 +73,10 @@ class ScanLayersTest(absltest.TestCase):
     # Unrolled, XLA may start every layer's buffers that depend on no input
     # (e.g. zero-filled outputs) at once; the model keeps them per layer.
     def scratch(lm):
-      generation._PROGRAMS.clear()
+      compile_lib._PROGRAMS.clear()
       kvjax.generate(lm, [self.prompts[0] * 2], policy=policies.get("snapkv", window=8),
                      budget=64, max_new_tokens=2, attention_block=32)
-      (program,) = [p for key, p in generation._PROGRAMS.items() if key[0] == "_prefill"]
+      (program,) = [p for key, p in compile_lib._PROGRAMS.items() if key[0] == "prefill"]
       return program.memory_analysis().temp_size_in_bytes
 
     scanned, unrolled = scratch(self.scanned), scratch(self.unrolled)
@@ -107,6 +107,23 @@ class ScanLayersTest(absltest.TestCase):
     weights["layers/wq"] = weights["layers/wq"][:2]
     with self.assertRaisesRegex(ValueError, "lead with L=8"):
       lm_lib.build_params(CONFIG, weights, scan_layers=False)
+
+
+class DefaultLayoutTest(absltest.TestCase):
+  """scan_layers=None: unrolled on GPU and TPU (decode steps), scanned on CPU (compile time)."""
+
+  def test_by_platform(self):
+    from unittest import mock
+    from kvjax.models import llama
+    self.assertTrue(llama.default_scan_layers())
+    for platform, scanned in (("gpu", False), ("tpu", False), ("cpu", True)):
+      with mock.patch.object(jax, "default_backend", return_value=platform):
+        self.assertEqual(llama.default_scan_layers(None), scanned, platform)
+        self.assertTrue(llama.default_scan_layers(True))
+        self.assertFalse(llama.default_scan_layers(False))
+      with mock.patch.object(jax, "default_backend", return_value=platform):
+        lm = kvjax.init_random(CONFIG)
+      self.assertEqual(lm.scan_layers, scanned, platform)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,16 @@
 """A Llama-family decoder in Flax NNX (SmolLM2, Llama 3.x, Mistral, Qwen2).
 
 Two layouts of the layers (``scan_layers``):
-  True (default)  stacked along a leading L axis and run under ``jax.lax.scan``:
-                  a 30-layer model compiles as fast as a 1-layer one.
-  False           one module (and arrays) per layer, the layers unrolled. Each
-                  program compiles ~7x slower, but a scan step copies its
-                  layer's weight slice before the matmuls, and in a one-token
-                  decode step that copy costs about as much as the matmuls
-                  (SmolLM2 on a 2-core CPU, budget 1024: 69 -> 51 ms per
-                  step). For long decodes.
+  True   stacked along a leading L axis and run under ``jax.lax.scan``: a
+         30-layer model compiles as fast as a 1-layer one.
+  False  one module (and arrays) per layer, the layers unrolled. Each program
+         compiles several times slower, but a scan step copies its layer's
+         weight slice out of the stacked arrays before the matmuls, and a
+         one-token decode step reads each weight once: the copy costs about
+         as much as the matmuls (docs/accelerators.md has the figures).
+  None   (the default) False on GPU and TPU, where the decode step is the
+         cost that matters and compilation is fast; True on CPU, where
+         compilation is slow (``default_scan_layers``).
 
 Matrices are float (``[D_in, D_out]``; the embedding ``[V, D]``) or packed
 GGUF blocks (``[D_out, R]`` uint8, ``kvjax.kernels.quantized``; the embedding
@@ -119,16 +121,25 @@ class DecoderLayer(nnx.Module):
     return x, state
 
 
+def default_scan_layers(scan_layers: bool | None = None) -> bool:
+  """``scan_layers`` as given, or for None the default device's layout: unrolled
+  (False) on GPU and TPU, scanned (True) on CPU (see the module docstring)."""
+  if scan_layers is None:
+    return jax.default_backend() not in ("gpu", "tpu")
+  return bool(scan_layers)
+
+
 class Llama(nnx.Module):
   """Decoder-only transformer.
 
-  ``layers`` holds L stacked DecoderLayers (``scan_layers``), else a list of L.
+  ``layers`` holds L stacked DecoderLayers (``scan_layers`` true), else a list
+  of L; ``scan_layers=None`` picks by the default device (``default_scan_layers``).
   """
 
   def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
-               scan_layers: bool = True):
+               scan_layers: bool | None = None):
     self.config = config
-    self.scan_layers = scan_layers
+    self.scan_layers = scan_layers = default_scan_layers(scan_layers)
     self.embed = nnx.Param(
         jax.nn.initializers.normal(1.0)(rngs.params(), (config.vocab_size, config.hidden_size), dtype))
 

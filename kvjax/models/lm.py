@@ -89,11 +89,12 @@ def _forward(graphdef, params, tokens):
 
 
 def build_params(config: LlamaConfig, weights: Mapping[str, np.ndarray], dtype=jnp.float32,
-                 scan_layers: bool = True):
+                 scan_layers: bool | None = None):
   """Canonical weights (see the loaders) -> (graphdef, params) of a Llama module.
 
   The canonical ``layers/...`` weights are stacked ([L, ...]); with
-  ``scan_layers=False`` layer i's arrays become ``layers/i/...``. Weights the
+  ``scan_layers=False`` layer i's arrays become ``layers/i/...`` (None: the
+  default device's layout, ``kvjax.models.llama.default_scan_layers``). Weights the
   module holds side by side are joined on their output axis (``_FUSED``: q, k,
   v into ``wqkv``; gate and up into ``w_gate_up``): the last of a float
   [in, out] matrix, the rows of a packed one ([out, R] uint8 blocks,
@@ -105,7 +106,7 @@ def build_params(config: LlamaConfig, weights: Mapping[str, np.ndarray], dtype=j
   return _params_from(config, dict(weights), dtype, scan_layers)
 
 
-def _params_from(config: LlamaConfig, weights: dict, dtype, scan_layers: bool):
+def _params_from(config: LlamaConfig, weights: dict, dtype, scan_layers: bool | None):
   """``build_params``, consuming ``weights``.
 
   A joined weight's parts leave the dict as they are copied in, so when the
@@ -242,15 +243,18 @@ def _parts(name: str) -> tuple[str, ...]:
 
 
 def init_random(config: LlamaConfig, seed: int = 0, dtype=jnp.float32,
-                scan_layers: bool = True) -> LanguageModel:
-  """A randomly initialised model (tests, benchmarks of shapes)."""
+                scan_layers: bool | None = None) -> LanguageModel:
+  """A randomly initialised model (tests, benchmarks of shapes).
+
+  ``scan_layers``: as in ``load`` (None: unrolled on GPU and TPU, scanned on CPU).
+  """
   graphdef, params = nnx.split(
       Llama(config, dtype=dtype, rngs=nnx.Rngs(seed), scan_layers=scan_layers))
   return LanguageModel(config, graphdef, params, None, f"random:{seed}")
 
 
 def load(name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype=jnp.float32,
-         cache_dir: str | None = None, scan_layers: bool = True,
+         cache_dir: str | None = None, scan_layers: bool | None = None,
          packed: bool = False) -> LanguageModel:
   """Loads a model by registry name, .gguf path or safetensors folder.
 
@@ -260,7 +264,11 @@ def load(name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype=jnp
 
   ``scan_layers=False`` gives each layer arrays of its own and unrolls the
   layers in every program (see kvjax.models.llama): faster decode steps,
-  slower compilation; the same outputs.
+  slower compilation; the same outputs. ``True`` stacks them under
+  ``lax.scan``. The default, None, unrolls on GPU and TPU (where a scanned
+  decode step spends much of its time copying each layer's weights out of the
+  stack) and scans on CPU (where compiling unrolled programs takes long);
+  ``LanguageModel.scan_layers`` says which a model got.
 
   ``packed=True`` keeps a GGUF file's Q4_1 and Q8_0 matrices as their blocks
   (``kvjax.kernels.quantized``): the same weight values, a sixth (Q4_1) or
@@ -281,12 +289,9 @@ def load(name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype=jnp
     from kvjax.models.tokenizer import Tokenizer
     config, weights, metadata = gguf_loader.load_gguf(path, packed=packed)
     tokenizer = Tokenizer.from_gguf_metadata(metadata)
-    del metadata  # the vocabulary as Python objects: freed before the trim below
+    del metadata  # the vocabulary as Python objects: freed before the weights are built
   # The loader's dict is handed over: its arrays are freed as they are joined.
   graphdef, params = _params_from(config, weights, dtype, scan_layers)
-  # The host copies are gone; glibc would keep their pages (~30 MiB for SmolLM2).
-  gc.collect()
-  host_memory.return_freed_memory()
   return LanguageModel(config, graphdef, params, tokenizer, str(path))
 
 
