@@ -39,6 +39,7 @@ def _best(fn, repeats):
 
 
 def main(_):
+  kvjax.runtime.setup()  # as the command-line tools run
   lm = kvjax.load("smollm2-135m-instruct")
   cfg = lm.config
   print(f"{'length':>7} {'prefill s':>10} {'method':>12} {'stage ms/layer':>15} "

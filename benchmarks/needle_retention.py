@@ -44,6 +44,7 @@ flags.DEFINE_string("out", "results/needle_retention", "Output folder.")
 
 def main(argv):
   del argv
+  kvjax.runtime.setup()  # as the command-line tools run
   lm = kvjax.load(FLAGS.model)
   tok = lm.tokenizer
   runs = [(policies.get(p, **policies.window_fields(p, FLAGS.window)), int(b))

@@ -85,6 +85,7 @@ def main(argv):
   del argv
   os.environ.setdefault("HF_HUB_OFFLINE", "1")
   import kvjax
+  kvjax.runtime.setup()  # as the command-line tools run
   lm = kvjax.load()
   tok = lm.tokenizer
   out_dir = pathlib.Path(FLAGS.out)

@@ -145,6 +145,8 @@ def _policy(name):
 
 def _kvjax_side(prompt):
   """Runs one configuration on kvjax; returns the measured fields."""
+  from kvjax import runtime
+  runtime.setup()  # as the command-line tools run
   import jax
   import kvjax
   lm = kvjax.load(prompt["model_path"], scan_layers=FLAGS.scan_layers, packed=FLAGS.packed)

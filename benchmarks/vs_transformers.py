@@ -62,6 +62,8 @@ def _hf_run(model, ids, n):
 def main(argv):
   del argv
   os.environ.setdefault("HF_HUB_OFFLINE", "1")
+  from kvjax import runtime
+  runtime.setup()  # as the command-line tools run
   import jax
   import torch
 

@@ -12,7 +12,7 @@ from typing import Callable
 from absl import app
 from absl import flags
 
-from kvjax import host_memory
+from kvjax import runtime
 
 
 def fail(message: str) -> None:
@@ -37,10 +37,8 @@ def _parse_flags(argv):
 def run(main: Callable) -> None:
   """``app.run(main)`` with a bad flag reported by ``fail``, not a usage dump.
 
-  The tool's process returns large freed blocks to the system at once and
-  keeps one heap arena for all its threads (``kvjax.host_memory``): its peak
+  The tool's process is set up first (``kvjax.runtime.setup``): its peak
   memory is what it holds.
   """
-  host_memory.map_large_blocks()
-  host_memory.single_arena()
+  runtime.setup()
   app.run(main, flags_parser=_parse_flags)

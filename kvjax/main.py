@@ -95,7 +95,9 @@ def main(argv) -> None:
 
 
 def run() -> None:
-  """Console-script entry point."""
+  """Console-script entry point: the process set up as the other tools' (kvjax.runtime)."""
+  from kvjax import runtime
+  runtime.setup()
   app.run(main)
 
 

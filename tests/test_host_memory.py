@@ -1,61 +1,117 @@
-"""Tests for kvjax.host_memory: pages leave the resident set, data stays what it was."""
+"""kvjax.host_memory and kvjax.runtime: process-wide settings only where a process opts in.
 
+The library changes nothing process-wide; ``kvjax.runtime.setup()`` (what the
+command-line tools and benchmarks call) sets glibc's allocator and generate's
+XLA:CPU compiler options.
+"""
+
+import ast
+import json
+import pathlib
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="glibc and /proc (Linux)")
+
+# What changes the host process: allocator calls, forced collection, page advice.
+PROCESS_CALLS = {"malloc_trim", "mallopt", "madvise", "map_large_blocks", "single_arena"}
+# The modules allowed to name them: the glibc wrappers and the opt-in set-up.
+ALLOWED = {ROOT / "kvjax" / "host_memory.py", ROOT / "kvjax" / "runtime.py"}
+
+
+def _library_files():
+  files = [*(ROOT / "kvjax").rglob("*.py"), *(ROOT / "kernels").rglob("*.py")]
+  return [f for f in files if "__pycache__" not in f.parts]
+
+
+def _process_tweaks(path: pathlib.Path) -> list[str]:
+  """Where ``path`` names a process-wide call, or sets an XLA option or flag."""
+  found = []
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    name = (node.attr if isinstance(node, ast.Attribute)
+            else node.id if isinstance(node, ast.Name) else None)
+    if name in PROCESS_CALLS:
+      found.append(f"{path.name}:{node.lineno} {name}")
+    if (isinstance(node, ast.Attribute) and node.attr == "collect"
+        and isinstance(node.value, ast.Name) and node.value.id == "gc"):
+      found.append(f"{path.name}:{node.lineno} gc.collect")
+    if isinstance(node, ast.Constant) and isinstance(node.value, str) and (
+        node.value == "XLA_FLAGS" or node.value.startswith(("xla_", "--xla_"))):
+      found.append(f"{path.name}:{node.lineno} {node.value}")
+  return found
+
+
+def test_only_the_runtime_setup_changes_the_process():
+  found = {str(f.relative_to(ROOT)): _process_tweaks(f) for f in _library_files()
+           if f not in ALLOWED}
+  assert {f: calls for f, calls in found.items() if calls} == {}
+  # The scan sees them where they are.
+  assert _process_tweaks(ROOT / "kvjax" / "runtime.py")
+
+
+# A fresh interpreter: generate on a tiny random model with every glibc call and
+# forced collection raising, then what it left of generate's compiler options.
+_PLAIN_GENERATE = """
+import gc, json
 from kvjax import host_memory
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
-                                reason="reads /proc/self/smaps (Linux)")
+class NoCalls:
+  def __getattr__(self, name):
+    raise AssertionError(f"the library called libc's {name}")
+
+def no_collect(*args):
+  raise AssertionError("the library forced a garbage collection")
+
+host_memory._libc = lambda: NoCalls()
+gc.collect = no_collect
+
+import kvjax
+config = kvjax.LlamaConfig(vocab_size=97, hidden_size=32, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=8, intermediate_size=64,
+                           max_position_embeddings=128)
+lm = kvjax.init_random(config, seed=0)
+for policy, budget in (("full", None), (kvjax.policies.get("snapkv", window=8), 24)):
+  result = kvjax.generate(lm, [list(range(1, 40))], policy=policy, budget=budget,
+                          max_new_tokens=3, stop_ids=[])
+  assert len(result.token_ids[0]) == 3
+from kvjax.generation import compile as compile_lib
+print(json.dumps(compile_lib.cpu_compiler_options))
+"""
 
 
-def _resident_kib(path: str) -> int:
-  """KiB of ``path``'s mappings resident in this process (/proc/self/smaps)."""
-  total, inside = 0, False
-  with open("/proc/self/smaps") as f:
-    for line in f:
-      fields = line.split()
-      if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header
-        inside = fields[-1] == path
-      elif inside and fields[0] == "Rss:":
-        total += int(fields[1])
-  return total
+def _python(code: str, *args: str) -> str:
+  done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                        cwd=ROOT, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  return done.stdout.strip().splitlines()[-1]
 
 
-def test_a_read_map_leaves_the_resident_set_and_reads_back_the_same(tmp_path):
-  path = str(tmp_path / "weights.bin")
-  data = np.random.default_rng(0).integers(0, 255, 8 << 20, dtype=np.uint8)
-  data.tofile(path)
-  file_map = np.memmap(path, mode="r")
-  copy = np.array(file_map[1000:])  # reads every page
-  assert _resident_kib(path) >= 8 * 1024 - 8
-  host_memory.drop_file_pages(file_map[1000:], file_map)
-  assert _resident_kib(path) <= 8  # at most a few pages (the kernel may map around)
-  np.testing.assert_array_equal(file_map[1000:], copy)  # faulted back in from the file
-  np.testing.assert_array_equal(file_map, data)
+def test_plain_generate_changes_no_process_wide_state():
+  assert json.loads(_python(_PLAIN_GENERATE)) == {}
 
 
-def test_a_view_outside_the_map_is_left_alone(tmp_path):
-  path = str(tmp_path / "weights.bin")
-  np.arange(1 << 16, dtype=np.uint8).tofile(path)
-  file_map = np.memmap(path, mode="r")
-  heap = np.random.default_rng(1).random(1 << 20)  # anonymous memory: dropping would zero it
-  before = heap.copy()
-  host_memory.drop_file_pages(heap, file_map)
-  np.testing.assert_array_equal(heap, before)
+_SETUP = """
+import json
+from kvjax import runtime
+first = runtime.setup()
+assert runtime.setup() == first  # again: the same values
+from kvjax.generation import compile as compile_lib
+print(json.dumps({"applied": first, "options": compile_lib.cpu_compiler_options}))
+"""
 
 
-def test_return_freed_memory_keeps_live_data():
-  live = np.random.default_rng(2).random(1 << 20)
-  before = live.copy()
-  garbage = [np.ones(1 << 18) for _ in range(16)]
-  del garbage
-  host_memory.return_freed_memory()
-  np.testing.assert_array_equal(live, before)
-
+@linux_only
+def test_runtime_setup_sets_the_allocator_and_generates_compiler_options():
+  out = json.loads(_python(_SETUP))
+  assert out["applied"] == {"mmap_threshold": True, "single_arena": True,
+                            "cpu_compiler_options": True}
+  lean = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+  assert out["options"] == {"*": {"xla_cpu_use_fusion_emitters": False},
+                            "prefill_chunk": lean, "decode": lean}
 
 
 # Run in a fresh interpreter: in a process with free heap (a test worker after
@@ -79,6 +135,7 @@ print(grown, anonymous_kib() - before, len(after))
 """
 
 
+@linux_only
 def test_a_large_block_goes_back_to_the_system_when_freed():
   out = subprocess.run([sys.executable, "-c", _LARGE_BLOCK_CHECK], capture_output=True,
                        text=True, check=True).stdout.split()
@@ -126,6 +183,7 @@ def _arenas(mode: str) -> int:
                             text=True, check=True).stdout)
 
 
+@linux_only
 def test_single_arena_keeps_every_thread_on_the_main_heap():
   assert _arenas("default") > 1  # glibc's default: the threads' arenas of their own
   assert _arenas("single") == 1

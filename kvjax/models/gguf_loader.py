@@ -38,7 +38,6 @@ from typing import Any
 import gguf
 import numpy as np
 
-from kvjax import host_memory
 from kvjax.kernels import quantized
 from kvjax.models.config import LlamaConfig, RopeScaling
 
@@ -342,10 +341,8 @@ def load_gguf(path: str | os.PathLike, *, packed: bool = False
     got = tuple(int(x) for x in reversed(tensor.shape.tolist()))
     if got != want:
       raise ValueError(f"{path}: tensor {name!r} expected shape {want}, got {got}")
-    # A copy either way (no weight views the file), so the file's pages can go.
-    out = np.array(tensor.data, np.uint8).reshape(got[0], -1) if keep else _dequantize(tensor)
-    host_memory.drop_file_pages(tensor.data, reader.data)
-    return out
+    # A copy either way: no weight views the file, whose map goes with the reader.
+    return np.array(tensor.data, np.uint8).reshape(got[0], -1) if keep else _dequantize(tensor)
 
   # The embedding is [V, D], float or packed; lm_head [D, V] float or [V, R] packed.
   weights = {"embed": fetch("token_embd.weight", shapes["embed"],

@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import gc
 import os
 from typing import Any, Mapping
 
