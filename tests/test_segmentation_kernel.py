@@ -1,10 +1,21 @@
-"""Segmentation kernels: the references on hand-worked values, the kernels against them."""
+"""Segmentation kernels: the references on hand-worked values, both kernel forms (GPU and
+TPU, in interpret mode) against them, and lowering for cuda and tpu at the shapes
+generation produces."""
 
+import contextlib
+import dataclasses
+from unittest import mock
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
+from kvjax.kernels import platform
 from kvjax.kernels import segmentation as seg_lib
+from kvjax.policies import dynsplit
+from kvjax.policies import sablock
 
 
 def _segment(cuts, length, max_segment, min_segment, t=None):
@@ -72,42 +83,123 @@ class TestDynamicSplitReference:
     assert int(sizes[0, 0]) == 6 and int(starts[0, 1]) == 6
 
 
-def _random_segment_inputs(seed, b=3, t=40):
-  rng = np.random.default_rng(seed)
-  cuts = rng.random((b, t)) < 0.2
-  lengths = np.array([t, t - 7, 1][:b], np.int32)
-  return jnp.asarray(cuts), jnp.asarray(lengths)
+@contextlib.contextmanager
+def _form(form):
+  """Interpret mode running ``form``: the generic interpreter runs the GPU form, TPU
+  interpret mode the TPU form."""
+  ctx = pltpu.force_tpu_interpret_mode() if form == platform.TPU else contextlib.nullcontext()
+  with ctx:
+    assert platform.lowering(True) == form
+    yield
 
 
-@pytest.mark.parametrize("max_segment,min_segment", [(8, 1), (5, 3), (40, 2), (1, 1)])
-def test_segment_ids_kernel_matches_reference(max_segment, min_segment):
-  cuts, lengths = _random_segment_inputs(max_segment)
+def _ragged_lengths(t):
+  """Full, cut mid-row (across a 1024-token TPU tile for t > 1024), empty, one token."""
+  return jnp.asarray([t, t * 15 // 16, 0, 1], jnp.int32)
+
+
+# (form, T, max_segment, min_segment). The TPU form under TPU interpret mode costs more,
+# so it runs fewer cases.
+_SEGMENT_CASES = [(platform.GPU, 40, 8, 1), (platform.GPU, 40, 5, 3), (platform.GPU, 40, 40, 2),
+                  (platform.GPU, 40, 1, 1), (platform.GPU, 1100, 64, 4),
+                  (platform.TPU, 1100, 64, 4), (platform.TPU, 1100, 2000, 2)]
+
+
+@pytest.mark.parametrize("form,t,max_segment,min_segment", _SEGMENT_CASES)
+def test_segment_ids_kernel_matches_reference(form, t, max_segment, min_segment):
+  rng = np.random.default_rng(t + max_segment)
+  cuts = jnp.asarray(rng.random((4, t)) < 0.2)
+  lengths = _ragged_lengths(t)
   want = seg_lib.segment_ids_reference(cuts, lengths, max_segment=max_segment,
                                        min_segment=min_segment)
-  got = seg_lib.segment_ids(cuts, lengths, max_segment=max_segment, min_segment=min_segment,
-                            interpret=True)
+  with _form(form):
+    got = seg_lib.segment_ids(cuts, lengths, max_segment=max_segment, min_segment=min_segment,
+                              interpret=True)
   np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("chunk,delta,alpha", [(6, 2, 1.0), (8, 0, 0.5), (4, 3, 2.0)])
-def test_dynamic_split_kernel_matches_reference(chunk, delta, alpha):
-  rng = np.random.default_rng(chunk)
-  b, t = 3, 50
-  density = jnp.asarray(rng.random((b, t)), jnp.float32)
-  cand = jnp.asarray(rng.random((b, t)) < 0.3)
-  lengths = jnp.asarray([50, 33, 2], jnp.int32)
-  want = seg_lib.dynamic_split_reference(density, cand, lengths, chunk=chunk, delta=delta,
-                                         alpha=alpha)
-  got = seg_lib.dynamic_split(density, cand, lengths, chunk=chunk, delta=delta, alpha=alpha,
-                              interpret=True)
-  for g, w in zip(got, want):
-    np.testing.assert_array_equal(g, w)
-  # The blocks tile [0, length) exactly.
-  starts, sizes = map(np.asarray, want)
+def _assert_blocks_tile(starts, sizes, lengths):
+  """The blocks tile [0, length) exactly, in order."""
+  starts, sizes = np.asarray(starts), np.asarray(sizes)
   for i, n in enumerate(np.asarray(lengths)):
     used = sizes[i] > 0
     assert sizes[i].sum() == n
-    np.testing.assert_array_equal(starts[i][used], np.concatenate([[0], np.cumsum(sizes[i][used])[:-1]]))
+    np.testing.assert_array_equal(starts[i][used],
+                                  np.cumsum(np.concatenate([[0], sizes[i][used]]))[:-1])
+
+
+# (form, T, chunk, delta, alpha): delta 0; alpha not a power of two; candidate windows
+# across a TPU tile boundary (T 1100) and over three tiles (2D + 1 = 1201).
+_SPLIT_CASES = [(platform.GPU, 50, 6, 2, 1.0), (platform.GPU, 50, 8, 0, 0.5),
+                (platform.GPU, 50, 4, 3, 2.0), (platform.GPU, 1100, 40, 8, 0.3),
+                (platform.GPU, 3000, 700, 600, 1.0),
+                (platform.TPU, 50, 8, 0, 0.5), (platform.TPU, 1100, 40, 8, 0.3),
+                (platform.TPU, 3000, 700, 600, 1.0)]
+
+
+@pytest.mark.parametrize("form,t,chunk,delta,alpha", _SPLIT_CASES)
+def test_dynamic_split_kernel_matches_reference(form, t, chunk, delta, alpha):
+  rng = np.random.default_rng(t + chunk)
+  density = jnp.asarray(rng.random((4, t)), jnp.float32)
+  cand = jnp.asarray(rng.random((4, t)) < 0.3)
+  lengths = _ragged_lengths(t).at[3].set(2)
+  kwargs = dict(chunk=chunk, delta=delta, alpha=alpha)
+  want = seg_lib.dynamic_split_reference(density, cand, lengths, **kwargs)
+  with _form(form):
+    got = seg_lib.dynamic_split(density, cand, lengths, interpret=True, **kwargs)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
+  _assert_blocks_tile(*want, lengths)
+
+
+@pytest.mark.parametrize("form", [platform.GPU, platform.TPU])
+def test_dynamic_split_nan_density_matches_reference(form):
+  # A NaN weight counts as the maximum (jnp.argmax): the first NaN candidate wins.
+  density = np.random.default_rng(1).random((1, 40)).astype(np.float32)
+  density[0, 17] = np.nan
+  density = jnp.asarray(density)
+  cand = jnp.ones((1, 40), bool)
+  lengths = jnp.asarray([40], jnp.int32)
+  kwargs = dict(chunk=6, delta=2, alpha=1.0)
+  want = seg_lib.dynamic_split_reference(density, cand, lengths, **kwargs)
+  with _form(form):
+    got = seg_lib.dynamic_split(density, cand, lengths, interpret=True, **kwargs)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
+
+
+def _defaults(cls):
+  return {f.name: f.default for f in dataclasses.fields(cls)}
+
+
+# What generation produces: prompts right-padded to a multiple of 64 (a 2,047-token
+# prompt -> 2048, 2,049 -> 2112), SmolLM2 (8K context) and Llama-3.2-1B (128K).
+_LOWER_SHAPES = [(1, 64), (1, 2048), (4, 2048), (1, 2112), (3, 4160), (1, 4096), (4, 8192),
+                 (1, 32768), (4, 32768), (1, 131072)]
+_PLATFORMS = [("cuda", platform.GPU, "triton"), ("tpu", platform.TPU, "tpu_custom_call")]
+
+
+def _lowered_text(fn, shapes, plat, form):
+  with mock.patch.object(platform, "lowering", lambda interpret: form):
+    return jax.jit(fn).trace(*shapes).lower(lowering_platforms=(plat,)).as_text()
+
+
+@pytest.mark.parametrize("plat,form,marker", _PLATFORMS)
+def test_lowers_at_generation_shapes(plat, form, marker):
+  # Lowering only (no chip here): Triton's and Mosaic's lowering rules accept every op
+  # at every shape, with the policies' own arguments (SentenceKV segments with
+  # policies.selection, not this kernel).
+  sab, dyn = _defaults(sablock.SABlock), _defaults(dynsplit.DynSplitKV)
+  segment = lambda c, n: seg_lib.segment_ids.__wrapped__(
+      c, n, max_segment=sab["max_segment"], min_segment=sab["min_segment"])
+  split = lambda d, c, n: seg_lib.dynamic_split.__wrapped__(
+      d, c, n, chunk=dyn["chunk"], delta=dyn["delta"], alpha=float(dyn["alpha"]))
+  for b, t in _LOWER_SHAPES:
+    bools = jax.ShapeDtypeStruct((b, t), jnp.bool_)
+    lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
+    density = jax.ShapeDtypeStruct((b, t), jnp.float32)
+    assert marker in _lowered_text(segment, (bools, lengths), plat, form), (b, t)
+    assert marker in _lowered_text(split, (density, bools, lengths), plat, form), (b, t)
 
 
 def test_bad_inputs_raise():
