@@ -10,6 +10,7 @@ from kvjax import policies
 from kvjax import testing
 from kvjax.cache import PagedKVCache
 from kvjax.cache import Prompt
+from kvjax.policies import paged_eviction
 
 T, K, G, H, PS = 48, 2, 3, 8, 4
 
@@ -41,7 +42,7 @@ class TestScores:
   @pytest.mark.parametrize("variant,want", [("v_over_k", 2.0), ("v", 4.0), ("inv_k", 0.5),
                                             ("k_plus_v", 6.0)])
   def test_variants(self, variant, want):
-    got = policies.blocks.norm_scores(jnp.asarray([2.0]), jnp.asarray([4.0]), variant)
+    got = paged_eviction.norm_scores(jnp.asarray([2.0]), jnp.asarray([4.0]), variant)
     np.testing.assert_allclose(got, [want])
 
   def test_bad_fields(self):

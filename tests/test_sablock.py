@@ -8,7 +8,7 @@ import pytest
 from kvjax import policies
 from kvjax import testing
 from kvjax.cache import Prompt
-from kvjax.policies import blocks
+from kvjax.policies import selection
 
 DELIM = 1  # the delimiter token of the hand-made prompts
 
@@ -45,10 +45,10 @@ def test_segments_fall_on_punctuation_of_real_text(smollm2_lm):
 def test_water_fill_caps_segments_at_their_size():
   imp = jnp.asarray([[4.0, 1.0, 1.0, 0.0]])
   size = jnp.asarray([[2.0, 10.0, 10.0, 0.0]])
-  alloc = blocks.water_fill(imp, size, jnp.asarray([8.0]))
+  alloc = selection.water_fill(imp, size, jnp.asarray([8.0]))
   # Segment 0 is capped at 2; the other 6 split evenly.
   np.testing.assert_allclose(alloc, [[2.0, 3.0, 3.0, 0.0]], atol=1e-4)
-  np.testing.assert_allclose(blocks.water_fill(imp, size, jnp.asarray([100.0])), size)
+  np.testing.assert_allclose(selection.water_fill(imp, size, jnp.asarray([100.0])), size)
 
 
 def _one_segment_inputs(peaks, seg_len=16, window=4, k=2):
@@ -119,7 +119,7 @@ def test_needs_delimiters_and_checks_fields():
     policies.get("sablock").select(20, (20,))(0, prompt, q, k, k)
   with pytest.raises(ValueError, match="min_segment 8 exceeds max_segment 4"):
     policies.get("sablock", min_segment=8, max_segment=4)
-  with pytest.raises(ValueError, match=r"epsilon must be a number in \[0, 1\)"):
+  with pytest.raises(ValueError, match=r"epsilon must be a finite number in \[0, 1\)"):
     policies.get("sablock", epsilon=1.0)
   with pytest.raises(ValueError, match="delimiter_ids must be a sequence"):
     policies.get("sablock", delimiter_ids="abc")
@@ -137,7 +137,7 @@ def test_rank_in_segment_equals_brute_force():
   seg = segmentation.segment_ids_reference(jnp.asarray(rng.random((b, t)) < 0.08),
                                            jnp.asarray(lengths), max_segment=span, min_segment=4)
   seg_np = np.asarray(seg)
-  start = np.asarray(blocks.segment_starts(seg))
+  start = np.asarray(selection.segment_starts(seg))
   mean = rng.integers(0, 4, (b, kh, t)).astype(np.float32)
   for stride in (1, 2, 4, 8, 16, 32, 64):
     is_rep = (np.arange(t)[None] == start + (np.arange(t)[None] - start) // stride * stride)

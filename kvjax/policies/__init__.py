@@ -1,22 +1,29 @@
-"""Eviction policies, selectable by name: ``kvjax.policies.get("full")``."""
+"""Eviction policies, selectable by name: ``kvjax.policies.get("full")``.
+
+One file per method (its paper, parameters and our choices open the file);
+the stages they share live in ``scoring`` (token scores, the observation
+window's ``WindowScorer``), ``selection`` (keep masks, segments, budgets),
+``delimiters`` (cut points from token text) and ``fields`` (the shared
+hyper-parameters as dataclass mixins).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
-from kvjax.policies.baselines import ChunkKV
-from kvjax.policies.baselines import H2O
-from kvjax.policies.baselines import KNorm
-from kvjax.policies.baselines import PyramidKV
-from kvjax.policies.baselines import SentenceKV
-from kvjax.policies.baselines import SnapKV
-from kvjax.policies.baselines import StreamingLLM
-from kvjax.policies.baselines import delimiter_ids
 from kvjax.policies.base import Full
 from kvjax.policies.base import Policy
+from kvjax.policies.chunkkv import ChunkKV
+from kvjax.policies.delimiters import delimiter_ids
 from kvjax.policies.dynsplit import DynSplitKV
+from kvjax.policies.h2o import H2O
+from kvjax.policies.knorm import KNorm
 from kvjax.policies.paged_eviction import PagedEviction
+from kvjax.policies.pyramidkv import PyramidKV
 from kvjax.policies.sablock import SABlock
+from kvjax.policies.sentencekv import SentenceKV
+from kvjax.policies.snapkv import SnapKV
+from kvjax.policies.streaming_llm import StreamingLLM
 
 _REGISTRY: dict[str, type[Policy]] = {
     cls.name: cls

@@ -4,12 +4,16 @@ A policy is a frozen dataclass (hashable, so jit treats it as static): its
 fields are its hyper-parameters. It says how many entries each layer keeps for
 a static budget, which prompt tokens to keep at prefill (a ``select`` function
 handed to the cache's attention entry point) and what to do before each decode
-step. Policies compose the shared stages of ``scoring`` and ``selection``.
+step. Policies compose the shared stages of ``scoring`` (how important each
+token is) and ``selection`` (which tokens a head keeps); ``fields`` holds the
+hyper-parameters several policies share (the observation window, delimiter
+tokens) as dataclass mixins.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar
 
 import jax
@@ -33,8 +37,9 @@ class Policy:
   # observation window or from keys and values, not from the prompt's text or
   # from every prompt query.
   chunked_prefill: ClassVar[bool] = True
+
   def __post_init__(self):
-    """Subclasses check their fields here (``_check_int``), so a bad value fails on creation."""
+    """Subclasses check their fields here (``_check_*``), so a bad value fails on creation."""
 
   def _check_int(self, field: str, minimum: int, odd: bool = False) -> None:
     """Raises ValueError unless the field is an int >= ``minimum`` (and odd if asked)."""
@@ -43,6 +48,32 @@ class Policy:
         or (odd and value % 2 == 0)):
       need = f"an{' odd' if odd else ''} int >= {minimum}"
       raise ValueError(f"policy {self.name!r}: {field} must be {need}, got {value!r}")
+
+  def _check_number(self, field: str, low: float, high: float = math.inf) -> None:
+    """Raises ValueError unless the field is a real number (not a bool) in [low, high)."""
+    value = getattr(self, field)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value < high:
+      bound = f">= {low}" if high == math.inf else f"in [{low}, {high})"
+      raise ValueError(f"policy {self.name!r}: {field} must be a finite number {bound}, "
+                       f"got {value!r}")
+
+  def _check_choice(self, field: str, choices: tuple) -> None:
+    """Raises ValueError unless the field is one of ``choices``."""
+    value = getattr(self, field)
+    if value not in choices:
+      raise ValueError(f"policy {self.name!r}: {field} must be one of {choices}, got {value!r}")
+
+  def _check_token_ids(self, field: str) -> None:
+    """Makes a token-id field a tuple of ints >= 0, or raises ValueError.
+
+    A tuple keeps the policy hashable: jit takes policies as static arguments.
+    """
+    ids = getattr(self, field)
+    if (isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__")
+        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+      raise ValueError(f"policy {self.name!r}: {field} must be a sequence of token ids "
+                       f"(ints >= 0), got {ids!r}")
+    object.__setattr__(self, field, tuple(ids))
 
   # Entries that are always kept and count against the budget (sinks + window).
   def reserved(self) -> int:

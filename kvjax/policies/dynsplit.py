@@ -1,4 +1,5 @@
-"""DynSplit-KV (arXiv 2602.03184): importance-aware dynamic splitting into blocks.
+"""DynSplit-KV: Dynamic Semantic Splitting for KVCache Compression in Efficient Long-Context
+LLM Inference (arXiv 2602.03184).
 
 The prompt is ``compressible region | observation window``; the window is
 always kept and its queries score the rest. Per layer:
@@ -18,7 +19,22 @@ always kept and its queries score the rest. Per layer:
      blocks while they fit the budget, then the best single tokens so each
      KV head keeps exactly the budget.
 
-See docs/methods.md for what is from the paper and what is ours.
+Parameters:
+  window         16                  observation window, always kept (measured: docs/methods.md)
+  kernel         5                   pooling width of the token scores (SnapKV's)
+  group          "mean"              reduction over the query heads of a KV head
+  delimiter_ids  from the tokenizer  candidates: tokens whose text contains punctuation,
+                                     a newline or { } ; ) ] ( [ " ' -
+  chunk          16                  C, the ideal block length
+  delta          4                   D: a block ends within [s + C - D, s + C + D]
+  alpha          1.0                 weight of the density after a candidate boundary
+
+The paper states dynamic importance-aware delimiter selection and the
+uniform mapping; summaries give the boundary score's form and the
+[s + C - D, s + C + D] range. Ours, each with its reason in docs/methods.md:
+the candidate set, means rather than sums in the boundary weight (blocks of
+different lengths compare fairly), one split per layer, the tile layout,
+whole blocks by mean score and the exact-budget top-up.
 """
 
 from __future__ import annotations
@@ -30,12 +46,14 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import backend as backend_lib
-from kvjax.policies import blocks
+from kvjax.policies import delimiters
 from kvjax.policies import selection
-from kvjax.policies.baselines import SnapKV
+from kvjax.policies.base import Policy
+from kvjax.policies.fields import DelimiterFields
+from kvjax.policies.fields import WindowFields
 
 # Candidate boundaries: clause/sentence punctuation, newline, code delimiters.
-CANDIDATE_CHARS = blocks.CLAUSE_END + blocks.CODE_DELIMITERS + ("(", "[", "\"", "'", "-")
+CANDIDATE_CHARS = delimiters.CLAUSE_END + delimiters.CODE_DELIMITERS + ("(", "[", "\"", "'", "-")
 
 
 class Plan(NamedTuple):
@@ -48,35 +66,26 @@ class Plan(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class DynSplitKV(SnapKV):
+class DynSplitKV(DelimiterFields, WindowFields, Policy):
   """Importance-aware dynamic blocks, mapped to fixed tiles, selected under the budget."""
 
   name: ClassVar[str] = "dynsplit_kv"
   chunked_prefill: ClassVar[bool] = False  # boundaries from the prompt text
-  window: int = 16  # last prompt tokens whose queries score the rest; always kept
-  kernel: int = 5  # average pooling of the token scores (SnapKV's)
-  delimiter_ids: tuple[int, ...] = ()  # candidate-boundary tokens; from the tokenizer when empty
+  delimiter_chars: ClassVar[tuple[str, ...]] = CANDIDATE_CHARS
+  delimiters_anywhere: ClassVar[bool] = True
+  window: int = 16  # not SnapKV's 64: small budgets need room to choose (docs/methods.md)
   chunk: int = 16  # C: the ideal block length
   delta: int = 4  # D: a block ends within [s + C - D, s + C + D]
   alpha: float = 1.0  # weight of the density after a candidate boundary
 
   def __post_init__(self):
     super().__post_init__()
-    blocks.check_ids(self, "delimiter_ids")
     self._check_int("chunk", 1)
     self._check_int("delta", 0)
     if self.delta >= self.chunk:
       raise ValueError(f"policy {self.name!r}: delta {self.delta} must be below chunk "
                        f"{self.chunk}")
-    a = self.alpha
-    if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a < float("inf"):
-      raise ValueError(f"policy {self.name!r}: alpha must be a finite number >= 0, got {a!r}")
-
-  def bind(self, tokenizer):
-    if self.delimiter_ids or tokenizer is None:
-      return self
-    return dataclasses.replace(
-        self, delimiter_ids=blocks.delimiter_ids(tokenizer, CANDIDATE_CHARS, anywhere=True))
+    self._check_number("alpha", 0)
 
   def select(self, budget, layer_budgets):
     max_budget = max(layer_budgets)
@@ -90,17 +99,14 @@ class DynSplitKV(SnapKV):
 
   def plan(self, prompt, q, k, budget, max_budget: int) -> Plan:
     """Scores, splits and selects for one layer (q [B, T, N, H], k [B, T, K, H])."""
-    if not self.delimiter_ids or prompt.tokens is None:
-      raise ValueError("dynsplit_kv needs delimiter_ids (pass a tokenizer) and the prompt tokens")
-    scores, density = blocks.window_scores(q, k, prompt.lengths, window=self.window,
-                                           kernel=self.kernel, group=self.group)
+    scores, density = self.scorer.prefix_scores(q, k, prompt.lengths)
     return self.plan_from_scores(scores, density, prompt, budget, max_budget)
 
   def plan_from_scores(self, scores, density, prompt, budget, max_budget: int) -> Plan:
     """The split and the selection from token scores [B, K, T] and density [B, T]."""
     b, kh, t = scores.shape
-    prefix, window = blocks.regions(prompt.lengths, t, self.window)
-    candidate = blocks.is_delimiter(prompt.tokens, self.delimiter_ids) & prefix
+    prefix, window = selection.regions(prompt.lengths, t, self.window)
+    candidate = self.is_delimiter(prompt.tokens) & prefix
     starts, sizes = backend_lib.get("dynamic_split")(
         jnp.where(prefix, density, 0.0), candidate, jnp.maximum(prompt.lengths - self.window, 0),
         chunk=self.chunk, delta=self.delta, alpha=float(self.alpha))
@@ -116,13 +122,7 @@ class DynSplitKV(SnapKV):
     block_scores = jnp.where(sizes[:, None] > 0, block_scores, -jnp.inf)
     block_scores = jnp.where(jnp.isnan(block_scores), -jnp.inf, block_scores)
     # Whole blocks in order of score while they fit the room left by the window.
-    order = jnp.argsort(-block_scores, axis=-1)
-    sorted_sizes = jnp.take_along_axis(jnp.broadcast_to(sizes[:, None], order.shape), order, -1)
-    usable = jnp.take_along_axis(block_scores, order, -1) > -jnp.inf
-    room = (budget - window.sum(-1))[:, None, None]
-    fits_sorted = usable & (jnp.cumsum(jnp.where(usable, sorted_sizes, 0), -1) <= room)
-    fits = jnp.zeros(order.shape, bool).at[
-        jnp.arange(b)[:, None, None], jnp.arange(kh)[None, :, None], order].set(fits_sorted)
+    fits = selection.keep_whole(block_scores, sizes, (budget - window.sum(-1))[:, None, None])
     # Back from tiles to tokens.
     kept_tile = (fits[..., None] & tile_ok[:, None]).reshape(b, kh, nb * width)
     target = jnp.where(tile_ok, tile, t).reshape(b, 1, nb * width)
@@ -130,6 +130,6 @@ class DynSplitKV(SnapKV):
         jnp.arange(b)[:, None, None], jnp.arange(kh)[None, :, None],
         jnp.broadcast_to(target, kept_tile.shape)].max(kept_tile, mode="drop")
     chosen = (chosen & prefix[:, None]) | window[:, None]
-    keep = blocks.fill_to_budget(chosen, jnp.where(window[:, None], jnp.inf, scores), prefix,
+    keep = selection.fill_to_budget(chosen, jnp.where(window[:, None], jnp.inf, scores), prefix,
                                  budget, max_budget)
     return Plan(starts, sizes, block_scores, keep)

@@ -1,4 +1,5 @@
-"""PagedEviction (arXiv 2509.04377): structured block-wise eviction for a paged cache.
+"""PagedEviction: Structured Block-wise KV Cache Pruning for Efficient Large Language Model
+Inference (arXiv 2509.04377).
 
 Token importance comes from key and value norms alone, so no attention score
 is computed anywhere and the paged decode attention runs untouched:
@@ -12,7 +13,20 @@ is computed anywhere and the paged decode attention runs untouched:
            Evicting a page is a page-table edit (``PagedKVCache.drop_pages``):
            no key or value moves and the page returns to the free stack.
 
-See docs/methods.md for what is from the paper, from its prototype, and ours.
+Parameters:
+  page_size   16          slots per page; must equal generate's page_size (the prototype's)
+  variant     "v_over_k"  token score: v_over_k, v, inv_k or k_plus_v (the prototype's variants)
+  per_head    False       False: scores averaged over KV heads, one decision per layer
+  candidates  0           decode: only the oldest n evictable pages compete (0 = all)
+  window      0           last prompt tokens always kept besides the last page
+
+The paper states block-wise eviction for a paged layout without attention
+scores and "one block evicted once the recent block becomes full"; the score
+||v|| / ||k|| is read from summaries. Ours, each with its reason in
+docs/methods.md: a head evicts when it reaches its limit (the budget); the
+page with the lowest score summed over its tokens and the layer's heads goes,
+among all pages but the first and the tail (``candidates`` reproduces the
+prototype's oldest three); ``window``; ||k|| clamped at 1e-6.
 """
 
 from __future__ import annotations
@@ -25,8 +39,31 @@ import jax.numpy as jnp
 
 from kvjax import backend as backend_lib
 from kvjax.cache.paged import EMPTY
-from kvjax.policies import blocks
+from kvjax.policies import selection
 from kvjax.policies.base import Policy
+
+NORM_VARIANTS = ("v_over_k", "v", "inv_k", "k_plus_v")
+
+
+def norm_scores(k_norm: jax.Array, v_norm: jax.Array, variant: str) -> jax.Array:
+  """Token importance from key and value L2 norms (any shape, float32).
+
+  v_over_k: ||v|| / ||k|| (the paper's, as summaries read it); v: ||v||;
+  inv_k: 1 / ||k||; k_plus_v: ||k|| + ||v|| (the authors' prototype variants).
+  """
+  k_norm = k_norm.astype(jnp.float32)
+  v_norm = v_norm.astype(jnp.float32)
+  # A zero key would score inf; clamp so one token cannot outrank every other by +inf.
+  safe_k = jnp.maximum(k_norm, 1e-6)
+  if variant == "v_over_k":
+    return v_norm / safe_k
+  if variant == "v":
+    return v_norm
+  if variant == "inv_k":
+    return 1.0 / safe_k
+  if variant == "k_plus_v":
+    return k_norm + v_norm
+  raise ValueError(f"norm score variant must be one of {NORM_VARIANTS}, got {variant!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,9 +82,7 @@ class PagedEviction(Policy):
     self._check_int("page_size", 1)
     self._check_int("candidates", 0)
     self._check_int("window", 0)
-    if self.variant not in blocks.NORM_VARIANTS:
-      raise ValueError(f"policy {self.name!r}: variant must be one of {blocks.NORM_VARIANTS}, "
-                       f"got {self.variant!r}")
+    self._check_choice("variant", NORM_VARIANTS)
     if not isinstance(self.per_head, bool):
       raise ValueError(f"policy {self.name!r}: per_head must be a bool, got {self.per_head!r}")
 
@@ -77,7 +112,7 @@ class PagedEviction(Policy):
     """[B, K, T] norm score per token; -inf on padding."""
     del q
     norm = backend_lib.get("token_norms")  # the engine's norm op ([B, T, K, H] -> [B, K, T])
-    scores = self._reduce_heads(blocks.norm_scores(norm(k), norm(v), self.variant), axis=1)
+    scores = self._reduce_heads(norm_scores(norm(k), norm(v), self.variant), axis=1)
     valid = jnp.arange(k.shape[1])[None, None] < prompt.lengths[:, None, None]
     return jnp.where(valid, scores, -jnp.inf)
 
@@ -89,7 +124,7 @@ class PagedEviction(Policy):
     last_page = pos >= ((length - 1) // self.page_size) * self.page_size
     forced = valid & ((pos < self.page_size) | last_page | (pos >= length - self.window))
     chosen = jnp.broadcast_to(forced[:, None], scores.shape)
-    return blocks.fill_to_budget(chosen, jnp.where(chosen, jnp.inf, scores), valid, budget,
+    return selection.fill_to_budget(chosen, jnp.where(chosen, jnp.inf, scores), valid, budget,
                                  max_budget)
 
   # ---------------------------------------------------------------- decode
@@ -105,7 +140,7 @@ class PagedEviction(Policy):
     norm = backend_lib.get("token_norms")
     # The pool seen as one sequence of P * S_page tokens and one head.
     flat = lambda pages: norm(pages.reshape(1, -1, 1, pages.shape[-1])).reshape(-1, ps)
-    pool = blocks.norm_scores(flat(cache.k_pages), flat(cache.v_pages), self.variant)  # [P, S_page]
+    pool = norm_scores(flat(cache.k_pages), flat(cache.v_pages), self.variant)  # [P, S_page]
     per_slot = pool[jnp.maximum(table, 0)]  # [B, L, K, P_max, S_page]
     slot = jnp.arange(table.shape[-1])[:, None] * ps + jnp.arange(ps)[None]
     filled = slot < cache.lengths[..., None, None]

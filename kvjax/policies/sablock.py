@@ -1,4 +1,5 @@
-"""SABlock (arXiv 2510.22556): semantic segments, segment-guided scores, adaptive block sizes.
+"""SABlock: Semantic-Aware KV Cache Eviction with Adaptive Compression Block Size
+(arXiv 2510.22556).
 
 The prompt is ``compressible region | observation window``; the window is
 always kept and its queries score the rest. Per layer:
@@ -19,9 +20,24 @@ always kept and its queries score the rest. Per layer:
   5. exactly ``budget`` entries per KV head: the window, the chosen blocks,
      then the best remaining tokens by s'.
 
-Everything is vectorised over (sequence, KV head, segment) with static shapes;
-the budget may be a traced scalar, so one program serves every layer.
-See docs/methods.md for what is from the paper and what is ours.
+Parameters:
+  window         16                  observation window, always kept (measured: docs/methods.md)
+  kernel         5                   pooling width of the token scores (SnapKV's)
+  group          "mean"              reduction over the query heads of a KV head
+  delimiter_ids  from the tokenizer  tokens whose text ends with . , ; : ! ? newline 。！？，；：、
+  max_segment    64                  longer segments are split
+  min_segment    4                   shorter pieces merge into the next segment
+  gamma          1.0                 s' = s + gamma * mean of s over the segment
+  epsilon        0.1                 a block size may lose this fraction of R(1)
+  max_block      64                  largest block size tried (1, 2, 4, ...)
+
+The paper states the three stages (semantic segments, segment-guided scores,
+a budget-driven block-size search); everything else above is ours, each
+choice with its reason in docs/methods.md: the punctuation rule from token
+text, the segment caps, the form of s', water-filling, the search over powers
+of two and the exact-budget top-up. Everything is vectorised over (sequence,
+KV head, segment) with static shapes; the budget may be a traced scalar, so
+one program serves every layer.
 """
 
 from __future__ import annotations
@@ -33,9 +49,11 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import backend as backend_lib
-from kvjax.policies import blocks
+from kvjax.policies import delimiters
 from kvjax.policies import selection
-from kvjax.policies.baselines import SnapKV
+from kvjax.policies.base import Policy
+from kvjax.policies.fields import DelimiterFields
+from kvjax.policies.fields import WindowFields
 
 
 class Plan(NamedTuple):
@@ -49,14 +67,13 @@ class Plan(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class SABlock(SnapKV):
+class SABlock(DelimiterFields, WindowFields, Policy):
   """Semantic-aware eviction with an adaptive block size per segment."""
 
   name: ClassVar[str] = "sablock"
   chunked_prefill: ClassVar[bool] = False  # segments from the prompt text
-  window: int = 16  # last prompt tokens whose queries score the rest; always kept
-  kernel: int = 5  # average pooling of the token scores (SnapKV's)
-  delimiter_ids: tuple[int, ...] = ()  # tokens ending a clause; from the tokenizer when empty
+  delimiter_chars: ClassVar[tuple[str, ...]] = delimiters.CLAUSE_END
+  window: int = 16  # not SnapKV's 64: small budgets need room to choose (docs/methods.md)
   max_segment: int = 64  # longer segments are split
   min_segment: int = 4  # shorter pieces merge into the next segment
   gamma: float = 1.0  # weight of the segment mean in s' = s + gamma * mean_seg(s)
@@ -65,26 +82,14 @@ class SABlock(SnapKV):
 
   def __post_init__(self):
     super().__post_init__()
-    blocks.check_ids(self, "delimiter_ids")
     self._check_int("max_segment", 1)
     self._check_int("min_segment", 1)
     self._check_int("max_block", 1)
     if self.min_segment > self.max_segment:
       raise ValueError(f"policy {self.name!r}: min_segment {self.min_segment} exceeds "
                        f"max_segment {self.max_segment}")
-    for field, low in (("gamma", 0.0), ("epsilon", 0.0)):
-      value = getattr(self, field)
-      if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value < (
-          1.0 if field == "epsilon" else float("inf")):
-        bound = "[0, 1)" if field == "epsilon" else ">= 0"
-        raise ValueError(f"policy {self.name!r}: {field} must be a number in {bound}, "
-                         f"got {value!r}")
-
-  def bind(self, tokenizer):
-    if self.delimiter_ids or tokenizer is None:
-      return self
-    return dataclasses.replace(self, delimiter_ids=blocks.delimiter_ids(tokenizer,
-                                                                        blocks.CLAUSE_END))
+    self._check_number("gamma", 0)
+    self._check_number("epsilon", 0, 1)
 
   def block_sizes(self) -> tuple[int, ...]:
     """Candidate block sizes: 1, 2, 4, ... up to max_block."""
@@ -96,9 +101,7 @@ class SABlock(SnapKV):
 
   def segments(self, tokens: jax.Array, lengths: jax.Array) -> jax.Array:
     """[B, T] segment ids of the compressible region (tokens before the window)."""
-    if not self.delimiter_ids or tokens is None:
-      raise ValueError("sablock needs delimiter_ids (pass a tokenizer) and the prompt tokens")
-    cut = blocks.is_delimiter(tokens, self.delimiter_ids)
+    cut = self.is_delimiter(tokens)
     return backend_lib.get("segment_ids")(
         cut, jnp.maximum(lengths - self.window, 0), max_segment=self.max_segment,
         min_segment=self.min_segment)
@@ -109,17 +112,17 @@ class SABlock(SnapKV):
   def plan(self, scores, prompt, budget, max_budget: int) -> Plan:
     """The whole decision from token scores [B, K, T] (``score``'s output)."""
     b, kh, t = scores.shape
-    prefix, window = blocks.regions(prompt.lengths, t, self.window)
+    prefix, window = selection.regions(prompt.lengths, t, self.window)
     seg = self.segments(prompt.tokens, prompt.lengths)
     s = jnp.where(prefix[:, None] & jnp.isfinite(scores), scores, 0.0)
     seg_mean = selection.segment_mean(s, seg, prefix)
     guided = jnp.where(prefix[:, None], s + self.gamma * jnp.where(
         jnp.isfinite(seg_mean), seg_mean, 0.0), 0.0)  # s' [B, K, T]
 
-    size = blocks.per_segment_sum(prefix.astype(jnp.float32), seg)  # [B, T_seg]
-    importance = blocks.per_segment_sum(guided, seg)  # [B, K, T_seg]
+    size = selection.per_segment_sum(prefix.astype(jnp.float32), seg)  # [B, T_seg]
+    importance = selection.per_segment_sum(guided, seg)  # [B, K, T_seg]
     room = budget - window.sum(-1)  # [B]
-    alloc = jnp.floor(blocks.water_fill(importance, jnp.broadcast_to(
+    alloc = jnp.floor(selection.water_fill(importance, jnp.broadcast_to(
         size[:, None], importance.shape), jnp.broadcast_to(room[:, None], (b, kh))) + 1e-4)
     alloc = alloc.astype(jnp.int32)
 
@@ -128,11 +131,11 @@ class SABlock(SnapKV):
     # The largest block size that keeps (1 - epsilon) of what single tokens keep.
     good = retained >= (1.0 - self.epsilon) * retained[:1] - 1e-6  # [n_sizes, B, K, T_seg]
     choice = jnp.max(jnp.where(good, jnp.arange(len(sizes))[:, None, None, None], 0), axis=0)
-    chosen_tok = blocks.gather_segments(choice, seg)  # [B, K, T]
+    chosen_tok = selection.gather_segments(choice, seg)  # [B, K, T]
     kept = jnp.any(keeps & (chosen_tok[None] == jnp.arange(len(sizes))[:, None, None, None]),
                    axis=0)
     chosen = (kept & prefix[:, None]) | window[:, None]
-    keep = blocks.fill_to_budget(chosen, jnp.where(window[:, None], jnp.inf, guided), prefix,
+    keep = selection.fill_to_budget(chosen, jnp.where(window[:, None], jnp.inf, guided), prefix,
                                  budget, max_budget)
     block_size = jnp.minimum(sizes[choice], jnp.maximum(size[:, None], 1).astype(jnp.int32))
     return Plan(seg, guided, alloc, block_size, keep)
@@ -141,16 +144,16 @@ class SABlock(SnapKV):
     """Keep masks [n_sizes, B, K, T] and retained s' [n_sizes, B, K, T_seg] per block size."""
     b, kh, t = guided.shape
     idx = jnp.arange(t, dtype=jnp.int32)
-    start = blocks.segment_starts(seg)  # [B, T]
+    start = selection.segment_starts(seg)  # [B, T]
     offset = idx[None] - start
-    seg_size_tok = blocks.gather_segments(size, seg)  # [B, T]
-    alloc_tok = blocks.gather_segments(alloc, seg)  # [B, K, T]
+    seg_size_tok = selection.gather_segments(size, seg)  # [B, T]
+    alloc_tok = selection.gather_segments(alloc, seg)  # [B, K, T]
     keeps, retained = [], []
     for bs in self.block_sizes():
       block = start + (offset // bs) * bs  # [B, T] id of each token's block: its first token
       is_rep = (idx[None] == block) & prefix
-      total = blocks.per_segment_sum(jnp.where(prefix[:, None], guided, 0.0), block)
-      count = blocks.per_segment_sum(prefix.astype(jnp.float32), block)
+      total = selection.per_segment_sum(jnp.where(prefix[:, None], guided, 0.0), block)
+      count = selection.per_segment_sum(prefix.astype(jnp.float32), block)
       mean = total / jnp.maximum(count, 1.0)[:, None]  # [B, K, T] at block ids
       rank = _rank_in_segment(mean, is_rep, seg, stride=bs, span=self.max_segment)
       # Blocks never exceed their segment; a segment keeps floor(k_seg / b) of them.
@@ -159,7 +162,7 @@ class SABlock(SnapKV):
       keep = jnp.take_along_axis(kept_block, jnp.broadcast_to(block[:, None], guided.shape), -1)
       keep &= prefix[:, None]
       keeps.append(keep)
-      retained.append(blocks.per_segment_sum(jnp.where(keep, guided, 0.0), seg))
+      retained.append(selection.per_segment_sum(jnp.where(keep, guided, 0.0), seg))
     return jnp.stack(keeps), jnp.stack(retained)
 
 

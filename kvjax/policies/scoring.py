@@ -9,10 +9,13 @@ Keys and values are never repeated per query head: query heads are grouped
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from kvjax import backend as backend_lib
+from kvjax.policies import selection
 # The scoring math is defined once, beside its Pallas kernel; these names are
 # this module's public stages.
 from kvjax.kernels.window_scoring import GROUP_REDUCTIONS
@@ -20,6 +23,42 @@ from kvjax.kernels.window_scoring import attention_received
 from kvjax.kernels.window_scoring import avg_pool
 from kvjax.kernels.window_scoring import reduce_group
 from kvjax.kernels.window_scoring import window_queries
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowScorer:
+  """SnapKV's observation-window scorer, as the window-scored policies compose it.
+
+  The prompt is ``compressible prefix | observation window``: the last
+  ``window`` tokens' queries score the tokens before them (window-averaged
+  attention, average-pooled over ``kernel`` tokens, reduced over each KV
+  head's query heads by ``group``). Policies get one from their fields
+  (``fields.WindowFields.scorer``).
+  """
+
+  window: int
+  kernel: int = 5
+  group: str = "mean"
+
+  def scores(self, q, k, lengths) -> jax.Array:
+    """SnapKV's token scores [B, K, T]: the window scores max + 1, padding -inf."""
+    return snapkv_scores(q, k, lengths, window=self.window, kernel=self.kernel, group=self.group)
+
+  def prefix_scores(self, q, k, lengths) -> tuple[jax.Array, jax.Array]:
+    """The scores of the compressible prefix alone, and its attention density.
+
+    Returns (scores [B, K, T], density [B, T]), float32, zero outside the
+    prefix: ``scores`` is SnapKV's token score; ``density`` is the unpooled
+    attention averaged over every query head (one number per token for the
+    whole layer).
+    """
+    raw = snapkv_scores(q, k, lengths, window=self.window, kernel=1, group=self.group)
+    prefix, _ = selection.regions(lengths, k.shape[1], self.window)
+    raw = jnp.where(prefix[:, None], raw, 0.0)
+    # Mean and pooling are linear, so pooling the group mean equals SnapKV's
+    # pool-then-reduce for group="mean"; for "max" it pools the maximum.
+    scores = jnp.where(prefix[:, None], avg_pool(raw, self.kernel), 0.0)
+    return scores, raw.mean(1)
 
 
 def snapkv_scores(q, k, lengths, *, window: int, kernel: int, group: str = "mean") -> jax.Array:

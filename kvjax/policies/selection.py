@@ -1,7 +1,11 @@
 """Selection stages: which tokens a head keeps under a static budget, and where they go.
 
 A keep mask [B, K, T] becomes slots [B, K, T]: kept tokens fill slots 0, 1, ...
-in their original order, dropped tokens get -1.
+in their original order, dropped tokens get -1. Besides top-k, the stages of
+the segment- and block-based policies: segments (ids, starts, sums, means),
+whole units in score order while they fit, water-filling a budget over
+segments, and topping a keep mask up to exactly the budget. Dimension
+letters: B batch, K KV heads, T tokens, U units (segments, blocks).
 """
 
 from __future__ import annotations
@@ -41,10 +45,50 @@ def slots_from_keep(keep: jax.Array) -> jax.Array:
   return jnp.where(keep, rank, EMPTY)
 
 
+def regions(lengths: jax.Array, t: int, window: int) -> tuple[jax.Array, jax.Array]:
+  """(prefix [B, T], window [B, T]) masks: the compressible tokens and the observation window."""
+  pos = jnp.arange(t)[None]
+  start = (lengths - window)[:, None]
+  return pos < start, (pos >= start) & (pos < lengths[:, None])
+
+
+# ------------------------------------------------------------------ segments
+
+
 def segment_ids(boundary_after: jax.Array) -> jax.Array:
   """bool [B, T] (a segment ends after this token) -> int32 segment id [B, T] from 0."""
   starts = jnp.pad(boundary_after[:, :-1], ((0, 0), (1, 0)))
   return jnp.cumsum(starts, axis=-1, dtype=jnp.int32)
+
+
+def segment_starts(seg: jax.Array) -> jax.Array:
+  """[B, T] segment ids (non-decreasing) -> [B, T] index of the first token of each token's segment."""
+  t = seg.shape[1]
+  idx = jnp.broadcast_to(jnp.arange(t), seg.shape)
+  start = jnp.pad(seg[:, 1:] != seg[:, :-1], ((0, 0), (1, 0)), constant_values=True)
+  return jax.lax.cummax(jnp.where(start, idx, 0), axis=1)
+
+
+def per_segment_sum(x: jax.Array, seg: jax.Array) -> jax.Array:
+  """Sums [B, K, T] (or [B, T]) over each segment id < T: -> [B, K, T_seg] (or [B, T_seg]).
+
+  Segment ids index the result's last axis (T_seg = T slots, unused ones 0).
+  """
+  squeeze = x.ndim == 2
+  if squeeze:
+    x = x[:, None]
+  b, kh, t = x.shape
+  flat = (jnp.arange(b)[:, None] * t + seg).reshape(-1)
+  out = jax.ops.segment_sum(x.transpose(0, 2, 1).reshape(b * t, kh), flat, num_segments=b * t)
+  out = out.reshape(b, t, kh).transpose(0, 2, 1)
+  return out[:, 0] if squeeze else out
+
+
+def gather_segments(x: jax.Array, seg: jax.Array) -> jax.Array:
+  """Per-segment values [B, K, T_seg] (or [B, T_seg]) back to tokens: [B, K, T] (or [B, T])."""
+  if x.ndim == 2:
+    return jnp.take_along_axis(x, seg, -1)
+  return jnp.take_along_axis(x, jnp.broadcast_to(seg[:, None], x.shape[:2] + seg.shape[1:]), -1)
 
 
 def segment_mean(scores: jax.Array, seg: jax.Array, valid: jax.Array) -> jax.Array:
@@ -56,10 +100,112 @@ def segment_mean(scores: jax.Array, seg: jax.Array, valid: jax.Array) -> jax.Arr
   Returns:
     [B, K, T] float32; tokens in segments without valid tokens get -inf.
   """
-  b, kh, t = scores.shape
-  flat = (jnp.arange(b)[:, None] * t + seg).reshape(-1)  # a segment id per (b, token)
-  x = jnp.where(valid[:, None], scores, 0.0).transpose(0, 2, 1).reshape(b * t, kh)
-  sums = jax.ops.segment_sum(x, flat, num_segments=b * t)  # [(B T_seg), K]
-  counts = jax.ops.segment_sum(valid.reshape(-1).astype(jnp.float32), flat, num_segments=b * t)
-  mean = jnp.where(counts[:, None] > 0, sums / jnp.maximum(counts, 1.0)[:, None], -jnp.inf)
-  return mean[flat].reshape(b, t, kh).transpose(0, 2, 1)
+  sums = per_segment_sum(jnp.where(valid[:, None], scores, 0.0), seg)  # [B, K, T_seg]
+  counts = per_segment_sum(valid.astype(jnp.float32), seg)[:, None]  # [B, 1, T_seg]
+  mean = jnp.where(counts > 0, sums / jnp.maximum(counts, 1.0), -jnp.inf)
+  return gather_segments(mean, seg)
+
+
+# ------------------------------------------------------------------ budgets
+
+
+def keep_whole(scores: jax.Array, sizes: jax.Array, room) -> jax.Array:
+  """Whole units (sentences, blocks) in order of score while they fit ``room``.
+
+  The best units are taken until the next one would overflow ``room``: the
+  longest run of the score order whose sizes add up to at most ``room``.
+
+  Args:
+    scores: [B, K, U]; -inf (or NaN) marks units that cannot be chosen.
+    sizes: [B, U] (or [B, K, U]) tokens per unit.
+    room: entries the units may take, broadcastable to [B, K, 1].
+
+  Returns:
+    bool [B, K, U]: the units kept.
+  """
+  b, kh, _ = scores.shape
+  scores = jnp.where(jnp.isnan(scores), -jnp.inf, scores)
+  order = jnp.argsort(-scores, axis=-1)  # ties: the earlier unit first
+  sizes = jnp.broadcast_to(sizes[:, None] if sizes.ndim == 2 else sizes, order.shape)
+  sorted_sizes = jnp.take_along_axis(sizes, order, -1)
+  usable = jnp.take_along_axis(scores, order, -1) > -jnp.inf
+  fits_sorted = usable & (jnp.cumsum(jnp.where(usable, sorted_sizes, 0), -1) <= room)
+  return jnp.zeros(order.shape, bool).at[
+      jnp.arange(b)[:, None, None], jnp.arange(kh)[None, :, None], order].set(fits_sorted)
+
+
+def fill_to_budget(chosen: jax.Array, scores: jax.Array, valid: jax.Array, budget,
+                   max_budget: int) -> jax.Array:
+  """Tops a keep mask up with the best unchosen valid tokens so each head keeps ``budget``.
+
+  Args:
+    chosen: bool [B, K, T], normally at most ``budget`` per head (beyond it the
+      lowest-scoring chosen tokens are dropped: give must-keep tokens +inf).
+    scores: [B, K, T] ranking (higher first); a NaN score ranks below every
+      number but may still fill the budget.
+    valid: bool [B, T] (or [B, K, T]) tokens that may be kept.
+    budget: kept entries per head (int or traced scalar <= max_budget).
+
+  Returns:
+    bool [B, K, T]: ``budget`` per head, or every valid token when fewer exist.
+  """
+  valid = jnp.broadcast_to(valid if valid.ndim == 3 else valid[:, None], scores.shape)
+  # Should rounding ever leave more than the budget chosen, the lowest-scoring go.
+  ranked = jnp.where(chosen, jnp.where(jnp.isnan(scores), jnp.finfo(jnp.float32).min, scores),
+                     -jnp.inf)
+  chosen = chosen & keep_top(ranked, budget, max_budget)
+  rest = jnp.where(chosen | ~valid, -jnp.inf, scores)
+  rest = jnp.where(jnp.isnan(rest), jnp.finfo(jnp.float32).min, rest)
+  need = budget - chosen.sum(-1, keepdims=True)
+  return chosen | keep_top(rest, need, max_budget)
+
+
+def water_fill(importance: jax.Array, size: jax.Array, room: jax.Array) -> jax.Array:
+  """Splits ``room`` entries over segments in proportion to importance, capped at their sizes.
+
+  Finds the level lam with sum_s min(size_s, lam * importance_s) = room
+  (exactly, by sorting segments by size / importance), so no segment gets
+  more than it holds and the rest of the room goes to the others.
+
+  Args:
+    importance: [..., S] float32 >= 0 (0 for absent segments).
+    size: [..., S] segment lengths (0 for absent segments).
+    room: [...] entries to hand out.
+
+  Returns:
+    [..., S] float32 allocations (sum = min(room, total size)).
+  """
+  imp = jnp.maximum(jnp.nan_to_num(importance.astype(jnp.float32)), 0.0)
+  size = size.astype(jnp.float32)
+  room = jnp.minimum(room.astype(jnp.float32), size.sum(-1))
+  # A segment with no importance but some size can only be filled last: give
+  # every present segment a tiny importance so the level stays finite.
+  imp = jnp.where(size > 0, imp + 1e-12, 0.0)
+  ratio = jnp.where(size > 0, size / jnp.where(imp > 0, imp, 1.0), jnp.inf)
+  order = jnp.argsort(ratio, axis=-1)
+  r = jnp.take_along_axis(ratio, order, -1)
+  s_sorted = jnp.take_along_axis(size, order, -1)
+  i_sorted = jnp.take_along_axis(imp, order, -1)
+  capped = jnp.cumsum(s_sorted, -1) - s_sorted  # sizes of the segments before j (capped)
+  rest_imp = jnp.flip(jnp.cumsum(jnp.flip(i_sorted, -1), -1), -1)  # importance from j on
+  lam = (room[..., None] - capped) / jnp.maximum(rest_imp, 1e-30)
+  # The level is the first j whose segment is not capped at that level.
+  fits = (lam <= r) & (rest_imp > 0)
+  first = jnp.argmax(fits, -1)
+  level = jnp.take_along_axis(lam, first[..., None], -1)
+  level = jnp.where(jnp.any(fits, -1, keepdims=True), level, jnp.inf)
+  return jnp.minimum(size, level * imp)
+
+
+# ------------------------------------------------------------------ decode
+
+
+def slot_view(cache, pool: jax.Array) -> jax.Array:
+  """A per-slot pool ([P, S_page]: positions, scores) seen per head: [B, L, K, S]."""
+  b, l, k, _ = cache.page_table.shape
+  return pool[jnp.maximum(cache.page_table, 0)].reshape(b, l, k, -1)
+
+
+def filled_slots(cache) -> jax.Array:
+  """bool [B, L, K, S]: the slots holding an entry."""
+  return jnp.arange(cache.max_slots) < cache.lengths[..., None]

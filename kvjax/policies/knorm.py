@@ -1,0 +1,34 @@
+"""A Simple and Effective L2 Norm-Based Strategy for KV Cache Compression (KNorm,
+arXiv 2406.11430).
+
+Keys with a low L2 norm draw high attention, so each head keeps the keys
+with the lowest norm. No attention is computed.
+
+Parameters: none besides the budget.
+
+Ours where the paper is silent: keys are scored as cached, after RoPE
+(kvpress's KnormPress does the same; rotations preserve norms), and no
+window or sink is forced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax.numpy as jnp
+
+from kvjax.policies import scoring
+from kvjax.policies.base import Policy
+
+
+@dataclasses.dataclass(frozen=True)
+class KNorm(Policy):
+  """Keeps the keys with the lowest L2 norm (kvpress KnormPress). No attention needed."""
+
+  name: ClassVar[str] = "knorm"
+
+  def score(self, prompt, q, k, v):
+    scores = scoring.key_norm_scores(k)
+    valid = jnp.arange(k.shape[1])[None, None] < prompt.lengths[:, None, None]
+    return jnp.where(valid, scores, -jnp.inf)
