@@ -1,5 +1,6 @@
 """DynSplit-KV: boundaries where density drops, the s + C fallback, block selection, exactly B."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,6 +53,10 @@ def test_cuts_where_attention_density_drops():
 def test_falls_back_to_s_plus_c_without_candidates():
   q, k = _attending([20])
   plan = _policy().plan(_prompt(np.full(T, 7)), q, k, 24, 24)
+  nb = T // (8 - 3) + 1  # T // (C - D) + 1 tiles
+  chex.assert_shape([plan.starts, plan.sizes], (1, nb))
+  chex.assert_shape(plan.block_scores, (1, K, nb))
+  chex.assert_shape(plan.keep, (1, K, T))
   sizes = np.asarray(plan.sizes[0])
   # 56 compressible tokens: blocks of C = 8 from 0 (after 48, 8 <= C + D remain).
   assert sizes[sizes > 0].tolist() == [8] * 7

@@ -1,5 +1,6 @@
 """PagedEviction: norm-scored prefill, whole-page eviction while decoding, on hand-made inputs."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,7 +44,14 @@ class TestScores:
                                             ("k_plus_v", 6.0)])
   def test_variants(self, variant, want):
     got = paged_eviction.norm_scores(jnp.asarray([2.0]), jnp.asarray([4.0]), variant)
-    np.testing.assert_allclose(got, [want])
+    chex.assert_trees_all_close(got, jnp.asarray([want]))
+
+  def test_a_zero_key_scores_finite(self):
+    # ||k|| is clamped at 1e-6, so a zero key cannot outrank every other token by +inf.
+    got = paged_eviction.norm_scores(jnp.asarray([0.0, 1.0]), jnp.asarray([1.0, 1.0]),
+                                     "v_over_k")
+    chex.assert_tree_all_finite(got)
+    chex.assert_trees_all_close(got, jnp.asarray([1e6, 1.0]))
 
   def test_bad_fields(self):
     with pytest.raises(ValueError, match="variant must be one of"):

@@ -1,5 +1,8 @@
 """What each policy keeps, on hand-made inputs; budgets, bytes and decode-time eviction."""
 
+import dataclasses
+
+import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -8,6 +11,9 @@ import kvjax
 from kvjax import policies
 from kvjax.cache import Prompt
 from kvjax.cache.paged import round_up
+from kvjax.policies import delimiters
+from kvjax.policies import scoring
+from kvjax.policies import selection
 
 T, K, G, H = 48, 2, 3, 8
 
@@ -47,13 +53,43 @@ def _attending(targets_per_head, window, t=T, strength=8.0):
 class TestRegistry:
 
   def test_names_and_fields(self):
-    assert set(policies.names()) >= {"full", "streaming_llm", "snapkv", "pyramidkv", "h2o",
-                                     "knorm", "chunkkv", "sentencekv"}
+    fields = {name: [f.name for f in dataclasses.fields(type(policies.get(name)))]
+              for name in policies.names()}
+    window = ["window", "kernel", "group"]
+    assert fields == {
+        "full": [], "streaming_llm": ["n_sink"], "snapkv": window,
+        "pyramidkv": window + ["beta"], "knorm": [], "h2o": ["recent", "group"],
+        "chunkkv": window + ["chunk_length"], "sentencekv": window + ["delimiter_ids"],
+        "paged_eviction": ["page_size", "variant", "per_head", "candidates", "window"],
+        "sablock": window + ["delimiter_ids", "max_segment", "min_segment", "gamma", "epsilon",
+                             "max_block"],
+        "dynsplit_kv": window + ["delimiter_ids", "chunk", "delta", "alpha"]}
     assert policies.get("snapkv", window=16).window == 16
+    assert policies.get(policies.get("snapkv"), window=16) == policies.get("snapkv", window=16)
     with pytest.raises(ValueError, match="unknown policy 'snap'"):
       policies.get("snap")
     with pytest.raises(ValueError, match=r"has no field\(s\) \['windw'\]"):
       policies.get("snapkv", windw=3)
+
+  def test_window_fields_name_each_policys_window(self):
+    assert policies.window_fields("snapkv", 16) == {"window": 16}
+    assert policies.window_fields("paged_eviction", 16) == {"window": 16}
+    assert policies.window_fields("h2o", 16) == {"recent": 16}
+    assert policies.window_fields("knorm", 16) == {}
+    assert policies.window_fields("sablock", 0) == {}
+
+  def test_window_scored_policies_compose_one_scorer(self):
+    # Not SnapKV subclasses: each holds its own fields and builds the same scorer from them.
+    for name, default in (("snapkv", 64), ("pyramidkv", 64), ("chunkkv", 64), ("sentencekv", 64),
+                          ("sablock", 16), ("dynsplit_kv", 16)):
+      policy = policies.get(name)
+      assert not isinstance(policy, policies.SnapKV) or name == "snapkv", name
+      assert policy.scorer == scoring.WindowScorer(default, 5, "mean"), name
+      assert policy.reserved() == default, name
+      assert policies.get(name, window=8, kernel=3, group="max").scorer == scoring.WindowScorer(
+          8, 3, "max"), name
+      with pytest.raises(ValueError, match=f"policy '{name}': kernel must be an odd int"):
+        policies.get(name, kernel=2)
 
   def test_budget_validation(self):
     with pytest.raises(ValueError, match="must exceed the 64 entries"):
@@ -149,6 +185,87 @@ class TestWhatEachPolicyKeeps:
       for h in range(K):
         assert max(kept[1][h]) < 30, name
         assert len(kept[1][h]) <= 12 and len(kept[0][h]) <= 12, name
+
+
+class _Tokenizer:
+  """Decodes id i to TEXTS[i] (what delimiter_ids reads)."""
+
+  TEXTS = ("the", " cat", ".", ". ", ",", " (x", "\n", "。", "a.b")
+  vocab_size = len(TEXTS)
+
+  def decode(self, ids, skip_special_tokens=True):
+    return "".join(self.TEXTS[i] for i in ids)
+
+
+class TestSharedStages:
+
+  def test_delimiter_ids_from_token_text(self):
+    tok = _Tokenizer()
+    # Ends with (trailing spaces ignored) a sentence end / a clause end; contains one.
+    assert delimiters.delimiter_ids(tok) == (2, 3, 6, 7)
+    assert delimiters.delimiter_ids(tok, delimiters.CLAUSE_END) == (2, 3, 4, 6, 7)
+    assert delimiters.delimiter_ids(tok, (".", "("), anywhere=True) == (2, 3, 5, 8)
+    assert policies.delimiter_ids is delimiters.delimiter_ids
+    # Policies take their own rule from the tokenizer when they have no ids.
+    assert policies.get("sentencekv").bind(tok).delimiter_ids == (2, 3, 6, 7)
+    assert policies.get("sablock").bind(tok).delimiter_ids == (2, 3, 4, 6, 7)
+    assert policies.get("dynsplit_kv").bind(tok).delimiter_ids == (2, 3, 4, 5, 6, 7, 8)
+    assert policies.get("sablock", delimiter_ids=[9]).bind(tok).delimiter_ids == (9,)
+
+  def test_a_policy_without_delimiters_says_so(self):
+    with pytest.raises(ValueError, match="sentencekv needs delimiter_ids"):
+      policies.get("sentencekv").is_delimiter(jnp.zeros((1, 4), jnp.int32))
+    with pytest.raises(ValueError, match="sablock needs delimiter_ids"):
+      policies.get("sablock", delimiter_ids=(1,)).is_delimiter(None)
+    chex.assert_trees_all_equal(
+        policies.get("sablock", delimiter_ids=(1, 3)).is_delimiter(jnp.asarray([[0, 1, 2, 3]])),
+        jnp.asarray([[False, True, False, True]]))
+
+  def test_segments(self):
+    cut = jnp.asarray([[0, 0, 1, 0, 1, 1, 0, 0]], bool)
+    seg = selection.segment_ids(cut)
+    chex.assert_trees_all_equal(seg, jnp.asarray([[0, 0, 0, 1, 1, 2, 3, 3]], jnp.int32))
+    chex.assert_trees_all_equal(selection.segment_starts(seg),
+                                jnp.asarray([[0, 0, 0, 3, 3, 5, 6, 6]], jnp.int32))
+    scores = jnp.arange(16, dtype=jnp.float32).reshape(1, 2, 8)
+    valid = jnp.asarray([[1, 1, 1, 1, 1, 1, 0, 0]], bool)
+    mean = selection.segment_mean(scores, seg, valid)
+    chex.assert_shape(mean, (1, 2, 8))
+    inf = float("inf")
+    chex.assert_trees_all_close(mean, jnp.asarray([[[1, 1, 1, 3.5, 3.5, 5, -inf, -inf],
+                                                    [9, 9, 9, 11.5, 11.5, 13, -inf, -inf]]]))
+    chex.assert_trees_all_equal(selection.per_segment_sum(valid.astype(jnp.int32), seg)[:, :4],
+                                jnp.asarray([[3, 2, 1, 0]], jnp.int32))
+
+  def test_keep_whole_takes_the_best_units_until_one_overflows(self):
+    nan, inf = float("nan"), float("inf")
+    scores = jnp.asarray([[[3.0, nan, 2.0, 1.0, -inf],
+                           [1.0, 2.0, 3.0, 4.0, 5.0]]])
+    sizes = jnp.asarray([[5, 1, 3, 1, 1]])
+    keep = selection.keep_whole(scores, sizes, 7)
+    # Head 0: unit 0 (5) fits, unit 2 (5 + 3) does not, and the greedy run stops
+    # there: unit 3 (1) would fit but comes later. NaN and -inf are never chosen.
+    # Head 1, best first: 4, 3, 2 (1 + 1 + 3 = 5); unit 1 would make 6, unit 0 11.
+    chex.assert_trees_all_equal(keep, jnp.asarray([[[True, False, False, False, False],
+                                                    [False, True, True, True, True]]]))
+
+  def test_prefix_scores_are_snapkvs_on_the_prefix(self):
+    q, k = _attending([[5, 17], [30, 2]], 8)
+    lengths = jnp.asarray([T - 3], jnp.int32)
+    scorer = scoring.WindowScorer(8, 5, "mean")
+    scores, density = scorer.prefix_scores(q, k, lengths)
+    chex.assert_shape(scores, (1, K, T))
+    chex.assert_shape(density, (1, T))
+    prefix, window = selection.regions(lengths, T, 8)
+    assert int(prefix.sum()) == T - 11 and int(window.sum()) == 8
+    full = scorer.scores(q, k, lengths)
+    chex.assert_trees_all_close(scores, jnp.where(prefix[:, None], full, 0.0), rtol=1e-5,
+                                atol=1e-7)
+    # The window scores above every prefix token; padding -inf.
+    assert float(full[0, :, T - 11:T - 3].min()) > float(full[0, :, :T - 11].max())
+    assert np.isneginf(np.asarray(full[0, :, T - 3:])).all()
+    # The density is the unpooled attention: highest on the attended tokens.
+    assert set(np.argsort(np.asarray(density[0]))[-4:].tolist()) == {2, 5, 17, 30}
 
 
 class TestBudgets:

@@ -281,6 +281,17 @@ def test_h2o_decode_eviction_evicts_a_nan_score_first():
 
 @pytest.mark.parametrize("i", range(len(MENU)))
 def test_menu_policy_is_valid(i):
+  # Each menu budget leaves room to choose: above what the policy always keeps,
+  # within the prompt; PyramidKV's layers keep L x budget between them, the top
+  # layer least.
+  name, fields, _ = MENU[i]
   policy, budget, budgets = _policy(i)
   policy.validate(budget)
-  assert all(b > 0 for b in budgets)
+  assert policy.reserved() == fields.get("n_sink", fields.get("window", fields.get("recent", 0)))
+  with pytest.raises(ValueError, match="must exceed|must be a positive int"):
+    policy.validate(policy.reserved())
+  if name == "pyramidkv":
+    # kvpress's pyramid for T=16, window 2, beta 4: the top layer keeps the window alone.
+    assert budgets == (14, 2) and sum(budgets) == L * budget
+  else:
+    assert budgets == (budget,) * L and policy.reserved() < budget <= T

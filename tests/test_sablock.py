@@ -1,5 +1,6 @@
 """SABlock: segments on real text, water-filled budgets, the block-size search, exactly B."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,8 +48,8 @@ def test_water_fill_caps_segments_at_their_size():
   size = jnp.asarray([[2.0, 10.0, 10.0, 0.0]])
   alloc = selection.water_fill(imp, size, jnp.asarray([8.0]))
   # Segment 0 is capped at 2; the other 6 split evenly.
-  np.testing.assert_allclose(alloc, [[2.0, 3.0, 3.0, 0.0]], atol=1e-4)
-  np.testing.assert_allclose(selection.water_fill(imp, size, jnp.asarray([100.0])), size)
+  chex.assert_trees_all_close(alloc, jnp.asarray([[2.0, 3.0, 3.0, 0.0]]), atol=1e-4)
+  chex.assert_trees_all_close(selection.water_fill(imp, size, jnp.asarray([100.0])), size)
 
 
 def _one_segment_inputs(peaks, seg_len=16, window=4, k=2):
@@ -71,6 +72,9 @@ def test_search_picks_single_tokens_under_a_tight_budget():
                         min_segment=1, max_block=16)
   scores, prompt = _one_segment_inputs(peaks=[3, 11])
   plan = _plan(policy, scores, prompt, 4 + 2)
+  t = scores.shape[-1]
+  chex.assert_shape(plan.segments, (1, t))
+  chex.assert_shape([plan.scores, plan.allocation, plan.block_size, plan.keep], (1, 2, t))
   assert int(plan.allocation[0, 0, 0]) == 2
   assert int(plan.block_size[0, 0, 0]) == 1
   kept = np.nonzero(np.asarray(plan.keep[0, 0]))[0].tolist()
