@@ -11,6 +11,7 @@ import kvjax
 from kvjax import generation as generate_lib
 from kvjax import policies
 from kvjax import testing
+from kvjax.generation import compile as compile_lib
 
 CONFIG = kvjax.LlamaConfig(
     vocab_size=97, hidden_size=64, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=16,
@@ -120,13 +121,31 @@ class GenerateTest(absltest.TestCase):
     self.assertEqual(second[0], 0)  # no XLA compilation at all, helpers included
     self.assertEqual(generate_lib.COMPILE_COUNT, before)
 
-  def test_programs_compile_with_the_cpu_compiler_options(self):
+  def test_programs_compile_with_xla_defaults_unless_cpu_options_are_set(self):
+    seen = []
+
+    class Lowered:  # records the options each compile gets
+      def compile(self, compiler_options=None):
+        seen.append(compiler_options)
+
+    compile_lib.compile_lowered(Lowered(), "decode")
+    lean = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+    options = {"*": {"xla_cpu_use_fusion_emitters": False, "xla_cpu_enable_fast_math": False},
+               "decode": dict(lean, xla_cpu_enable_fast_math=True)}
+    with mock.patch.dict(compile_lib.cpu_compiler_options, options):
+      compile_lib.compile_lowered(Lowered(), "decode")
+      compile_lib.compile_lowered(Lowered(), "prefill")
+    if jax.default_backend() == "cpu":  # a program's own options win over "*"
+      self.assertEqual(seen, [None, {"xla_cpu_use_fusion_emitters": False,
+                                     "xla_cpu_enable_fast_math": True, **lean},
+                              options["*"]])
+    else:  # the options are XLA:CPU's
+      self.assertEqual(seen, [None] * 3)
+
+  def test_an_xla_without_a_cpu_option_compiles_with_its_defaults(self):
     lowered = jax.jit(lambda x: x * 2 + 1).lower(jnp.ones(4))
-    if jax.default_backend() == "cpu":  # this XLA has the options (no silent fallback)
-      for options in generate_lib._CPU_PROGRAM_OPTIONS.values():
-        lowered.compile(compiler_options={**generate_lib._CPU_COMPILER_OPTIONS, **options})
-    with mock.patch.dict(generate_lib._CPU_COMPILER_OPTIONS, {"xla_no_such_option": True}):
-      program = generate_lib._compile(lowered)  # an XLA without them: compiled without
+    with mock.patch.dict(compile_lib.cpu_compiler_options, {"*": {"xla_no_such_option": True}}):
+      program = compile_lib.compile_lowered(lowered, "decode")
     np.testing.assert_array_equal(program(jnp.ones(4)), [3.0] * 4)
 
   def test_stats(self):

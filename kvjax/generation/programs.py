@@ -1,0 +1,173 @@
+"""The bodies of generate's programs, traced and compiled by ``kvjax.generation.compile``.
+
+  prefill        the prompt's forward pass, filling (and compressing) the cache
+  record         the prompt's forward pass, recording every layer's q, k, v
+  store          what a policy keeps of a recorded prompt, into the cache
+  prefill_chunk  one prompt chunk: attend to the cache and itself, compress back
+  extend         a chunk (the question) appended to the cache uncompressed
+  decode         the whole decode loop, in one ``while_loop``
+
+Each takes the model's parameters and then the cache (argument 1, donated) or
+what stands in its place; its keyword arguments are static. Each traces its
+body with the caller's ``backend`` ambient (``kvjax.backend.use``), where the
+attention entry points, the policy's scoring and the packed weights' products
+pick their kernels, op by op.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kvjax import backend as backend_lib
+from kvjax.cache import attention as attention_lib
+from kvjax.generation.state import DecodeState
+
+
+def _positions(tokens: jax.Array, offsets: jax.Array | None = None) -> jax.Array:
+  """[B, T] int32 position of each token: from 0, or from each row's offset [B]."""
+  steps = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+  if offsets is None:
+    return jnp.broadcast_to(steps, tokens.shape)
+  return offsets[:, None] + steps[None]
+
+
+def _forward(graphdef, params, tokens, positions, state, attend, last):
+  """Runs the model over tokens [B, T], attending with ``attend`` (which carries ``state``).
+
+  Returns:
+    (state, logits [B, V] at each row's token ``last`` [B]).
+  """
+  model = nnx.merge(graphdef, params)
+  hidden, state = model(tokens, positions, state, attend)
+  return state, model.logits(hidden[jnp.arange(tokens.shape[0]), last])
+
+
+def prefill(params, cache, tokens, lengths, *, graphdef, policy, block, budget, budgets,
+            backend):
+  """Prompt forward pass that fills (and compresses) the cache; returns (cache, logits [B, V]).
+
+  Args:
+    tokens: [B, T] int32, right-padded; lengths: [B] int32.
+  """
+  with backend_lib.use(backend):
+    positions = _positions(tokens)
+    select = policy.select(budget, budgets)
+
+    def attend(cache, layer, q, k, v):
+      return attention_lib.prefill_attention(
+          cache, layer, q, k, v, positions, lengths, tokens=tokens, select=select, block=block)
+
+    return _forward(graphdef, params, tokens, positions, cache, attend, lengths - 1)
+
+
+def record(params, buffers, tokens, lengths, *, graphdef, block, backend):
+  """Prompt forward pass that records every layer's q, k, v (no cache, no policy).
+
+  Args:
+    buffers: (q [L, B, T, N, H], k [L, B, T, K, H], v [L, B, T, K, H]) to fill
+      (donated: filled in place).
+
+  Returns:
+    (the filled buffers, logits [B, V] at each sequence's last token).
+  """
+  with backend_lib.use(backend):
+
+    def attend(buffers, layer, q, k, v):
+      out = attention_lib.causal_attention(q, k, v, block=block)
+      return tuple(b.at[layer].set(x.astype(b.dtype)) for b, x in zip(buffers, (q, k, v))), out
+
+    return _forward(graphdef, params, tokens, _positions(tokens), buffers, attend, lengths - 1)
+
+
+def store(params, cache, recorded, tokens, lengths, *, graphdef, policy, budget, budgets,
+          backend):
+  """Stores what the policy keeps of a recorded prompt (``record``) in every layer.
+
+  Takes (and ignores) params so that, like every program here, the cache is
+  argument 1, the one that is donated. Returns the cache.
+  """
+  del params, graphdef
+  with backend_lib.use(backend):
+    prompt = attention_lib.Prompt(tokens, _positions(tokens), lengths)
+    select = policy.select(budget, budgets)
+
+    def layer_body(layer, cache):
+      q, k, v = (x[layer] for x in recorded)
+      return attention_lib.store_prompt(cache, layer, prompt, q, k, v, select)
+
+    return jax.lax.fori_loop(0, recorded[0].shape[0], layer_body, cache)
+
+
+def prefill_chunk(params, cache, tokens, lengths, offsets, logits, *, graphdef, policy, budget,
+                  budgets, backend):
+  """One prompt chunk: attend to the cache and itself, then compress back to the budget.
+
+  Args:
+    tokens: [B, C] int32, the chunk; lengths: [B] int32 its valid tokens per
+      sequence (0 past a sequence's end); offsets: [B] int32 its first position.
+    logits: [B, V] each sequence's next-token logits so far (zeros before the first chunk).
+
+  Returns (cache, logits [B, V]: at each sequence's last token in the chunk, or
+  the given ones where the chunk has none of its tokens).
+  """
+  with backend_lib.use(backend):
+    positions = _positions(tokens, offsets)
+    select = policy.select(budget, budgets)
+
+    def attend(cache, layer, q, k, v):
+      return attention_lib.chunk_attention(cache, layer, q, k, v, positions, lengths,
+                                           select=select)
+
+    cache, last = _forward(graphdef, params, tokens, positions, cache, attend,
+                           jnp.maximum(lengths - 1, 0))
+    return cache, jnp.where((lengths > 0)[:, None], last, logits)
+
+
+def extend(params, cache, tokens, lengths, offsets, *, graphdef, backend):
+  """Appends a chunk (the question) to the cache uncompressed; returns (cache, logits [B, V])."""
+  with backend_lib.use(backend):
+    positions = _positions(tokens, offsets)
+
+    def attend(cache, layer, q, k, v):
+      return attention_lib.extend_attention(cache, layer, q, k, v, positions, lengths)
+
+    return _forward(graphdef, params, tokens, positions, cache, attend, lengths - 1)
+
+
+def decode(params, cache, first_logits, next_positions, limit, seed, stops, sampler, pad_id, *,
+           graphdef, policy, max_new_tokens, backend):
+  """Greedy or sampled decoding in one while_loop.
+
+  Args:
+    first_logits: [B, V] the next-token logits after the prompt.
+    next_positions: [B] int32 position of the first generated token.
+    limit: [B, L, K] int32 entries a head may hold (decode-evicting policies).
+    seed: [] uint32; stops: [S] int32 stop ids; pad_id: [] int32.
+    sampler: a ``kvjax.generation.sampling`` sampler.
+
+  Returns:
+    (tokens [B, max_new_tokens] int32, steps run (1 + forward passes), cache).
+  """
+  with backend_lib.use(backend):
+    rng, key = jax.random.split(jax.random.key(seed))
+    state = DecodeState.start(sampler(first_logits, key), cache, rng,
+                              max_new_tokens=max_new_tokens, pad_id=pad_id, stops=stops)
+
+    def step(state: DecodeState) -> DecodeState:
+      positions = (next_positions + state.step - 1)[:, None]  # [B, 1]
+
+      def attend(cache, layer, q, k, v):
+        return attention_lib.decode_attention(cache, layer, q, k, v, positions,
+                                              accumulate=policy.accumulates_attention)
+
+      cache = policy.before_decode_step(state.cache, limit, positions[:, 0])
+      cache = cache.reserve(cache.lengths + 1)
+      cache, logits = _forward(graphdef, params, state.last()[:, None], positions, cache, attend,
+                               jnp.zeros_like(positions[:, 0]))
+      rng, key = jax.random.split(state.rng)
+      return state.advance(sampler(logits, key), cache, rng, pad_id=pad_id, stops=stops)
+
+    state = jax.lax.while_loop(DecodeState.running, step, state)
+    return state.tokens, state.step, state.cache
