@@ -12,6 +12,7 @@ from typing import Callable
 from absl import app
 from absl import flags
 
+from kvjax import backend
 from kvjax import runtime
 
 
@@ -38,7 +39,11 @@ def run(main: Callable) -> None:
   """``app.run(main)`` with a bad flag reported by ``fail``, not a usage dump.
 
   The tool's process is set up first (``kvjax.runtime.setup``): its peak
-  memory is what it holds.
+  memory is what it holds. ``--backend=native`` where the C++ kernels do not
+  build is a bad flag too: its reason on one line.
   """
   runtime.setup()
-  app.run(main, flags_parser=_parse_flags)
+  try:
+    app.run(main, flags_parser=_parse_flags)
+  except backend.NativeUnavailable as e:
+    fail(str(e))
