@@ -5,6 +5,8 @@ from __future__ import annotations
 import collections
 import pathlib
 
+from kvjax import plots
+
 MIB = 2**20
 
 
@@ -75,10 +77,8 @@ def plot(rows: list[dict], out: pathlib.Path) -> list[pathlib.Path]:
 
   peak_memory.png has a panel per measure of memory: the process's peak
   resident set and, where the rows have it, the peak of live jax buffers.
+  With one context length, each plot is a bar per policy.
   """
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
   series = collections.defaultdict(list)
   for r in rows:
     series[_label(r)].append(r)
@@ -87,32 +87,19 @@ def plot(rows: list[dict], out: pathlib.Path) -> list[pathlib.Path]:
     memory.append((lambda r: r["buffer_peak_bytes"] / MIB, "peak of live jax buffers (MiB)"))
   r0 = rows[0]
   paths = []
-  for name, panels in (
+  for name, measures in (
       ("decode_ms_per_token.png", [(lambda r: r["decode_ms_per_token"], "decode ms / token")]),
       ("peak_memory.png", memory)):
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
-    for ax, (key, ylabel) in zip(axes[0], panels):
-      for label, rs in sorted(series.items()):
-        rs = sorted(rs, key=lambda r: r["context_length"])
-        ax.plot([r["context_length"] for r in rs], [key(r) for r in rs], marker="o",
-                label=label)
-      ax.set_xscale("log", base=2)
-      ax.set_yscale("log")
-      ax.set_xlabel("context length (tokens)")
-      ax.set_ylabel(ylabel)
-      ax.grid(True, which="both", alpha=0.3)
-      ax.legend(fontsize=7)
+    fig, axes = plots.panels(len(measures), 6, 4)
+    for ax, (key, ylabel) in zip(axes, measures):
+      plots.compare(ax, {label: [(r["context_length"], key(r)) for r in rs]
+                         for label, rs in series.items()},
+                    xlabel="context length (tokens)", ylabel=ylabel)
       ax.set_title(f"{r0['model']}, batch {r0['batch_size']}, {r0['device']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out / name, dpi=110)
-    plt.close(fig)
-    paths.append(out / name)
+    paths.append(plots.save(fig, out / name))
   return paths
 
 
 def write_report(rows: list[dict], out: str | pathlib.Path) -> str:
-  out = pathlib.Path(out)
-  text = summary_markdown(rows)
-  (out / "summary.md").write_text(text)
-  plot(rows, out)
-  return text
+  """Writes summary.md and the plots under ``out``; returns the summary text."""
+  return plots.write_report(out, summary_markdown(rows), rows, [plot])

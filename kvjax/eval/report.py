@@ -15,6 +15,8 @@ from typing import Iterable
 
 import numpy as np
 
+from kvjax import plots
+
 
 def _group(row: dict) -> tuple:
   return (row["task"], row.get("haystack") or "-", bool(row["query_aware"]),
@@ -122,16 +124,8 @@ def _depth_tables(by_group) -> list[str]:
   return lines
 
 
-def _plt():
-  import matplotlib
-  matplotlib.use("Agg")  # files only; no display on servers
-  import matplotlib.pyplot as plt
-  return plt
-
-
 def plot_heatmaps(rows: list[dict], out: pathlib.Path) -> list[pathlib.Path]:
   """Depth × length accuracy per policy, one PNG per (group, budget); full in each."""
-  plt = _plt()
   paths = []
   by_group = _by_group(r for r in rows if r.get("depth") is not None)
   for group, group_rows in sorted(by_group.items()):
@@ -140,10 +134,9 @@ def plot_heatmaps(rows: list[dict], out: pathlib.Path) -> list[pathlib.Path]:
     budgets = sorted({r["budget"] for r in group_rows if r["budget"] is not None}) or [None]
     policies = sorted({r["policy"] for r in group_rows}, key=lambda p: (p != "full", p))
     for budget in budgets:
-      fig, axes = plt.subplots(1, len(policies), squeeze=False,
-                               figsize=(1.2 + 0.55 * len(lengths) * len(policies) + len(policies),
-                                        1.2 + 0.35 * len(depths) + 0.6))
-      for ax, policy in zip(axes[0], policies):
+      fig, axes = plots.panels(len(policies), 1.2 / len(policies) + 0.55 * len(lengths) + 1,
+                               1.2 + 0.35 * len(depths) + 0.6)
+      for ax, policy in zip(axes, policies):
         grid = np.full((len(depths), len(lengths)), np.nan)
         for i, d in enumerate(depths):
           for j, n in enumerate(lengths):
@@ -161,59 +154,45 @@ def plot_heatmaps(rows: list[dict], out: pathlib.Path) -> list[pathlib.Path]:
         ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
         ax.set_title(policy if policy == "full" else f"{policy}", fontsize=8)
         ax.set_xlabel("prompt tokens", fontsize=7)
-      axes[0][0].set_ylabel("needle depth", fontsize=7)
+      axes[0].set_ylabel("needle depth", fontsize=7)
       fig.suptitle(f"{_group_title(group)}, " + (f"budget {budget}" if budget else "full cache"),
                    fontsize=9)
-      fig.tight_layout()
-      path = out / f"heatmap_{_slug(group)}_{f'b{budget}' if budget else 'full'}.png"
-      fig.savefig(path, dpi=110)
-      plt.close(fig)
-      paths.append(path)
+      paths.append(plots.save(
+          fig, out / f"heatmap_{_slug(group)}_{f'b{budget}' if budget else 'full'}.png"))
   return paths
 
 
 def plot_accuracy_vs_budget(rows: list[dict], out: pathlib.Path) -> list[pathlib.Path]:
-  """Accuracy against budget per policy, one panel per length, one PNG per group."""
-  plt = _plt()
+  """Accuracy against budget per policy, one panel per length, one PNG per group.
+
+  The full cache is a dashed line; with a single budget, a bar per policy.
+  """
   paths = []
   for group, group_rows in sorted(_by_group(rows).items()):
-    budgets = sorted({r["budget"] for r in group_rows if r["budget"] is not None})
-    if not budgets:
+    if not any(r["budget"] is not None for r in group_rows):
       continue
     lengths = sorted({r["length"] for r in group_rows})
-    fig, axes = plt.subplots(1, len(lengths), squeeze=False, sharey=True,
-                             figsize=(4.2 * len(lengths), 3.4))
-    for ax, length in zip(axes[0], lengths):
+    fig, axes = plots.panels(len(lengths), 4.2, 3.4, sharey=True)
+    for ax, length in zip(axes, lengths):
       at = [r for r in group_rows if r["length"] == length]
-      for policy in sorted({r["policy"] for r in at}):
-        mine = [r for r in at if r["policy"] == policy]
-        if policy == "full":
-          ax.axhline(100 * _value(mine), color="black", linestyle="--", label="full")
-          continue
-        xs = [b for b in budgets if any(r["budget"] == b for r in mine)]
-        ys = [100 * _value([r for r in mine if r["budget"] == b]) for b in xs]
-        ax.plot(xs, ys, marker="o", label=policy)
-      ax.set_xscale("log", base=2)
-      ax.set_xticks(budgets, [str(b) for b in budgets])
-      ax.set_ylim(-5, 105)
-      ax.set_xlabel("budget (KV entries per layer and KV head)")
+      by_config = collections.defaultdict(list)
+      for r in at:
+        by_config[(r["policy"], r["budget"])].append(r)
+      series = collections.defaultdict(list)
+      for (policy, budget), cell in by_config.items():
+        if policy != "full":
+          series[policy].append((budget, 100 * _value(cell)))
+      full = [r for r in at if r["policy"] == "full"]
+      plots.compare(ax, series, xlabel="budget (KV entries per layer and KV head)",
+                    ylabel="accuracy (%)" if ax is axes[0] else "", ylim=(-5, 105),
+                    reference={"full": 100 * _value(full)} if full else None, dodge=0.05)
       ax.set_title(f"{length} tokens", fontsize=9)
-    axes[0][0].set_ylabel("accuracy (%)")
-    axes[0][-1].legend(fontsize=7, loc="best")
     fig.suptitle(_group_title(group), fontsize=10)
-    fig.tight_layout()
-    path = out / f"accuracy_vs_budget_{_slug(group)}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    paths.append(path)
+    paths.append(plots.save(fig, out / f"accuracy_vs_budget_{_slug(group)}.png"))
   return paths
 
 
 def write_report(rows: list[dict], out: str | pathlib.Path) -> str:
   """Writes summary.md and the plots under ``out``; returns the summary text."""
-  out = pathlib.Path(out)
-  text = summary_markdown(rows)
-  (out / "summary.md").write_text(text)
-  plot_heatmaps(rows, out)
-  plot_accuracy_vs_budget(rows, out)
-  return text
+  return plots.write_report(out, summary_markdown(rows), rows,
+                            [plot_heatmaps, plot_accuracy_vs_budget])
