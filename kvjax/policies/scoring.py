@@ -15,14 +15,13 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import backend as backend_lib
-from kvjax.policies import selection
 # The scoring math is defined once, beside its Pallas kernel; these names are
 # this module's public stages.
 from kvjax.kernels.window_scoring import GROUP_REDUCTIONS
 from kvjax.kernels.window_scoring import attention_received
 from kvjax.kernels.window_scoring import avg_pool
 from kvjax.kernels.window_scoring import reduce_group
-from kvjax.kernels.window_scoring import window_queries
+from kvjax.policies import selection
 
 
 @dataclasses.dataclass(frozen=True)
