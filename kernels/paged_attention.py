@@ -14,24 +14,43 @@ are never repeated.
 
 Two implementations with one signature:
   paged_attention_reference   float32 jnp, the definition (XLA backend).
-  paged_attention             Pallas kernel: one grid program per (sequence,
-                              hb KV heads) serving their G query heads each,
-                              online softmax over blocks of pages.
+  paged_attention             Pallas kernel: online softmax over blocks of
+                              pages, all G query heads of a KV head at once.
 
 How pages reach the kernel differs between Mosaic (TPU) and Triton (GPU); the
-platform is chosen in ``kvjax.kernels.platform``, the form here in ``_page_fetch``:
+platform is chosen in ``kvjax.kernels.platform``, the form in ``_page_fetch``:
   "pipelined" (TPU)  page table and lengths are scalar-prefetched into SMEM;
                      grid (B, K / hb, blocks); each page of a block is its own
                      BlockSpec whose index map reads the page table, so the
                      Pallas pipeline DMAs (and double-buffers) just the pages
                      a head owns; the softmax state lives in VMEM scratch.
-  "looped" (GPU)     Triton has neither scalar prefetch nor scratch: grid
-                     (B, K / hb); the kernel reads its page-table rows and
-                     gathers pages from the whole pool inside a loop over blocks.
-Block sizes (pages per block, KV heads per program) are a frozen dataclass,
-``PagedAttentionBlockSizes``.
+  "split" (GPU)      flash-decoding, in ``kvjax.kernels.paged_attention_gpu``:
+                     grid (B, K / hb, splits), each program gathering the
+                     pages of one share of a head's blocks and writing its
+                     partial softmax state; an XLA pass merges the shares.
+Block sizes (pages per block, KV heads per program, splits) are a frozen
+dataclass, ``PagedAttentionBlockSizes``; the pieces both forms share
+(``_attend_block``, ``_finish``, ``_weights_from_blocks``) live here.
 On CPU the kernel runs in interpret mode: the generic interpreter runs the
-looped kernel, TPU interpret mode runs the pipelined one.
+split kernel, TPU interpret mode runs the pipelined one.
+
+JAX's own TPU ops choose their blocks differently (the tests run the
+pipelined form and them on the same inputs in TPU interpret mode):
+  jax.experimental.pallas.ops.tpu.paged_attention  pages_per_compute_block is
+      the caller's (it must divide the pages per sequence); grid (cores, B, K)
+      with the sequence axis walked inside one kernel instance that
+      double-buffers the next block's pages by manual DMA; page ids and
+      lengths are per sequence (all KV heads share them); megacore may split
+      batch or KV heads.
+  ...ops.tpu.ragged_paged_attention  (pages per block, queries per block)
+      from a table tuned per TPU generation, keyed by dtypes, heads per
+      block, head dim, page size, token count and model length; (128, 32) by
+      default, (32, 32) on v4, at most the pages per sequence; KV heads per
+      block the fewest that tile (8 rows x dtype packing of the interleaved
+      K/V heads); pages double-buffered by manual DMA.
+  Here: about 128 slots per block (8 pages of 16, a lane row of a vreg), one
+  KV head per program, pages per (sequence, KV head), the pipeline's own
+  BlockSpec DMAs (one per page) instead of manual copies.
 """
 
 from __future__ import annotations
@@ -50,9 +69,12 @@ _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # Slots one compute block spans by default: one full lane row of a TPU vreg,
 # and a tl.dot width that keeps a GPU's tensor cores busy.
 _DEFAULT_BLOCK_SLOTS = 128
-# tl.dot needs at least 16 rows (and power-of-two shapes), so the looped (GPU)
-# kernel pads the G query heads of a KV head with zero queries up to this.
-_MIN_DOT_ROWS = 16
+# Programs that fill a GPU: ~132 SMs (H100, H200) times a few resident
+# programs each, so that one program's page loads overlap another's math.
+_GPU_PROGRAMS = 4 * 132
+# The fewest blocks a split reduces by default: shorter shares spend more on
+# writing and merging their partial state than on reading pages.
+_MIN_BLOCKS_PER_SPLIT = 2
 
 
 def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
@@ -116,7 +138,7 @@ def paged_attention_reference(
 
 @dataclasses.dataclass(frozen=True)
 class PagedAttentionBlockSizes:
-  """How many pages one compute block of the kernel spans.
+  """How the kernel divides its work: pages per block, heads per program, splits.
 
   Attributes:
     pages_per_block: pages attended together in one online-softmax step
@@ -125,25 +147,42 @@ class PagedAttentionBlockSizes:
     kv_heads_per_block: KV heads (each with its G query heads) one grid
       program serves; must divide K. More heads per program amortise the
       per-step cost when heads are short; fewer give more parallel programs.
+    num_splits: programs sharing the blocks of one (sequence, KV head) in the
+      GPU (split) form, each reducing a contiguous share of the filled blocks
+      (flash-decoding); the TPU (pipelined) form walks a head's blocks in one
+      program and takes only 1.
   """
 
   pages_per_block: int
   kv_heads_per_block: int = 1
+  num_splits: int = 1
 
   def __post_init__(self):
-    for name in ("pages_per_block", "kv_heads_per_block"):
+    for name in ("pages_per_block", "kv_heads_per_block", "num_splits"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
   @classmethod
-  def get_default(cls, page_size: int, max_pages: int) -> "PagedAttentionBlockSizes":
-    """At most _DEFAULT_BLOCK_SLOTS slots and a head's P_max pages per block.
+  def get_default(cls, page_size: int, max_pages: int, *, batch: int = 1, kv_heads: int = 1,
+                  form: str = platform.TPU) -> "PagedAttentionBlockSizes":
+    """Block sizes for a [B, K, P_max] page table in the given form (``platform.TPU``/``GPU``).
 
-    A power of two, since Triton's blocks must be.
+    Pages per block: at most _DEFAULT_BLOCK_SLOTS slots and P_max pages, a
+    power of two (Triton's blocks must be). Splits (GPU form only): enough
+    programs, B * K * splits, to fill the chip (_GPU_PROGRAMS), a power of
+    two, at most one split per _MIN_BLOCKS_PER_SPLIT blocks; 1 where B * K
+    already fills it.
     """
     fit = max(1, min(max_pages, _DEFAULT_BLOCK_SLOTS // page_size))
-    return cls(pages_per_block=1 << (fit.bit_length() - 1))
+    ppb = 1 << (fit.bit_length() - 1)
+    splits = 1
+    if form != platform.TPU:
+      num_blocks = -(-max_pages // ppb)
+      want = max(1, min(_GPU_PROGRAMS // (batch * kv_heads),
+                        num_blocks // _MIN_BLOCKS_PER_SPLIT))
+      splits = 1 << (want.bit_length() - 1)
+    return cls(pages_per_block=ppb, num_splits=splits)
 
 
 # ------------------------------------------------------------------ kernels
@@ -256,64 +295,20 @@ def paged_attention_pipelined_kernel(
       lse_ref[i] = lse
 
 
-def paged_attention_looped_kernel(
-    table_ref, lengths_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *weight_refs,
-    pages_per_block: int, scale: float):
-  """Grid (B, K / hb); the GPU form (the kernel gathers pages itself).
-
-  Refs (hb = KV heads per program):
-    table_ref: [hb, P_pad] int32 page ids of these (sequence, KV head)s.
-    lengths_ref: [hb] int32 their lengths.
-    q_ref: [hb, G_pad, H] their query heads, zero-padded to a tl.dot-friendly count.
-    k_ref, v_ref: [P, S_page, H] the whole pools.
-    out_ref: [hb, G_pad, H]; lse_ref: [hb, G_pad].
-    weight_refs: with return_weights, block numerators [hb, blocks, G_pad, C]
-      and the running max each block was taken against [hb, blocks, G_pad].
-  """
-  page_size, h = k_ref.shape[1:]
-  c = pages_per_block * page_size
-  hb, g = q_ref.shape[:2]
-
-  for i in range(hb):
-    length = lengths_ref[i]
-    q = q_ref[i]
-
-    def block(j, carry, i=i, length=length, q=q):
-      pages = jnp.maximum(table_ref[i, pl.ds(j * pages_per_block, pages_per_block)], 0)
-      k = k_ref[pages].reshape(c, h)
-      v = v_ref[pages].reshape(c, h)
-      slot = j * c + jnp.arange(c)
-      valid = slot[None, :] < length
-      carry, p = _attend_block(q, k, v, valid, slot[:, None] < length, carry, scale=scale)
-      if weight_refs:
-        weight_refs[0][i, j] = p
-        weight_refs[1][i, j] = carry[0].reshape(g)
-      return carry
-
-    init = (jnp.full((g, 1), -jnp.inf, jnp.float32), jnp.zeros((g, 1), jnp.float32),
-            jnp.zeros((g, h), jnp.float32))
-    # Only the blocks below the length are visited (never past the table, should
-    # a length exceed P_max * S_page); the rest of the weight blocks stay
-    # unwritten (the wrapper masks weights by length).
-    num_blocks = jnp.minimum(pl.cdiv(length, c), table_ref.shape[1] // pages_per_block)
-    out, lse = _finish(jax.lax.fori_loop(0, num_blocks, block, init))
-    out_ref[i] = out.astype(out_ref.dtype)
-    lse_ref[i] = lse.reshape(g)
-
-
 # ------------------------------------------------------------------ TPU / GPU switch
 
 
 def _page_fetch(interpret) -> str:
-  """"pipelined" for Mosaic, "looped" for Triton (the platform is chosen in ``platform``).
+  """"pipelined" for Mosaic, "split" for Triton (the platform is chosen in ``platform``).
 
   Mosaic wants scalar-prefetched tables driving BlockSpec index maps (its
   pipeline then DMAs only the pages a head owns); Triton supports neither
-  scalar prefetch nor scratch, so it gathers pages inside the kernel. The
-  generic CPU interpreter runs the looped form; TPU interpret mode (an
-  ``InterpretParams`` or ``force_tpu_interpret_mode``) the pipelined one.
+  scalar prefetch nor scratch, so it gathers pages inside the kernel, and
+  shares each head's blocks among programs to fill the GPU. The generic CPU
+  interpreter runs the split form; TPU interpret mode (an ``InterpretParams``
+  or ``force_tpu_interpret_mode``) the pipelined one.
   """
-  return "pipelined" if platform.lowering(interpret) == platform.TPU else "looped"
+  return "pipelined" if platform.lowering(interpret) == platform.TPU else "split"
 
 
 def _call_pipelined(q, k_pages, v_pages, table, lengths, *, ppb, return_weights, interpret,
@@ -380,61 +375,6 @@ def _call_pipelined(q, k_pages, v_pages, table, lengths, *, ppb, return_weights,
   if return_weights:
     outs[3] = outs[3][..., 0]
   return outs
-
-
-def _check_triton_shapes(pages_per_block: int, page_size: int, head_dim: int) -> None:
-  """Triton compiles only power-of-two array shapes, and tl.dot wants each side >= 16."""
-  for name, value in (("pages_per_block", pages_per_block), ("page_size", page_size),
-                      ("head_dim", head_dim)):
-    if value & (value - 1):
-      raise ValueError(f"the GPU (Triton) kernel needs {name} to be a power of two, got {value}")
-  if pages_per_block * page_size < _MIN_DOT_ROWS or head_dim < _MIN_DOT_ROWS:
-    raise ValueError(
-        f"the GPU (Triton) kernel needs pages_per_block * page_size "
-        f"({pages_per_block} * {page_size}) and head_dim ({head_dim}) >= {_MIN_DOT_ROWS}")
-
-
-def _call_looped(q, k_pages, v_pages, table, lengths, *, ppb, return_weights, interpret,
-                 hb=1):
-  """Runs the looped kernel; same arguments and results as ``_call_pipelined``."""
-  b, kh, g, h = q.shape
-  p_pad = table.shape[2]
-  nb, c = p_pad // ppb, ppb * k_pages.shape[1]
-  if not interpret:
-    _check_triton_shapes(ppb, k_pages.shape[1], h)
-    if hb & (hb - 1):
-      raise ValueError(f"the GPU (Triton) kernel needs kv_heads_per_block to be a power of "
-                       f"two, got {hb}")
-  g_pad = max(_MIN_DOT_ROWS, pl.next_power_of_2(g))
-  q = jnp.pad(q, ((0, 0), (0, 0), (0, g_pad - g), (0, 0)))
-  pool = pl.BlockSpec(k_pages.shape, lambda bi, kb: (0, 0, 0))
-  out_shape = [jax.ShapeDtypeStruct((b, kh, g_pad, h), q.dtype),
-               jax.ShapeDtypeStruct((b, kh, g_pad), jnp.float32)]
-  out_specs = [pl.BlockSpec((None, hb, g_pad, h), lambda bi, kb: (bi, kb, 0, 0)),
-               pl.BlockSpec((None, hb, g_pad), lambda bi, kb: (bi, kb, 0))]
-  if return_weights:
-    out_shape += [jax.ShapeDtypeStruct((b, kh, nb, g_pad, c), jnp.float32),
-                  jax.ShapeDtypeStruct((b, kh, nb, g_pad), jnp.float32)]
-    out_specs += [pl.BlockSpec((None, hb, nb, g_pad, c), lambda bi, kb: (bi, kb, 0, 0, 0)),
-                  pl.BlockSpec((None, hb, nb, g_pad), lambda bi, kb: (bi, kb, 0, 0))]
-  kernel = functools.partial(paged_attention_looped_kernel, pages_per_block=ppb, scale=h ** -0.5)
-  outs = pl.pallas_call(
-      kernel,
-      out_shape=out_shape,
-      grid=(b, kh // hb),
-      in_specs=[pl.BlockSpec((None, hb, p_pad), lambda bi, kb: (bi, kb, 0)),
-                pl.BlockSpec((hb,), lambda bi, kb: (bi * (kh // hb) + kb,)),
-                pl.BlockSpec((None, hb, g_pad, h), lambda bi, kb: (bi, kb, 0, 0)),
-                pool, pool],
-      out_specs=out_specs,
-      # Explicitly Triton (see ``platform``): this jax lowers GPU kernels to
-      # Mosaic GPU by default, which would stage the whole pool block in
-      # shared memory.
-      compiler_params=platform.compiler_params(platform.GPU, 2),
-      interpret=interpret,
-  )(table, lengths.reshape(-1), q, k_pages, v_pages)
-  # Drop the padding query heads (axis 2 of out and lse, axis 3 of the weight blocks).
-  return [o[:, :, :, :g] if i >= 2 else o[:, :, :g] for i, o in enumerate(outs)]
 
 
 # ------------------------------------------------------------------ public wrapper
@@ -512,8 +452,9 @@ def paged_attention(
     k_pages, v_pages: [P, S_page, H] float32 or bfloat16 (the same).
     page_table: [B, K, P_max] int32, -1 = absent page.
     lengths: [B, K] int32 filled slots per head (at most P_max * S_page).
-    block_sizes: pages per compute block (default: about 128 slots) and KV
-      heads per grid program (default 1).
+    block_sizes: pages per compute block (default: about 128 slots), KV
+      heads per grid program (default 1) and, on GPU, programs per head
+      (default: enough to fill the chip); ``PagedAttentionBlockSizes.get_default``.
     return_weights: also return the weights and the log-sum-exp.
     interpret: run the kernel body in Pallas' interpreter (CPU); a
       ``pltpu.InterpretParams`` selects TPU interpret mode.
@@ -529,18 +470,37 @@ def paged_attention(
   exp(max - lse) (``_weights_from_blocks``), so the pages are still read once.
   """
   _validate(q, k_pages, v_pages, page_table, lengths, block_sizes)
+  return _paged_attention(q, k_pages, v_pages, page_table, lengths, block_sizes=block_sizes,
+                          return_weights=return_weights, interpret=interpret,
+                          fetch=_page_fetch(interpret))
+
+
+def _paged_attention(q, k_pages, v_pages, page_table, lengths, *, block_sizes, return_weights,
+                     interpret, fetch):
+  """``paged_attention`` on validated inputs in the given form ("pipelined" or "split")."""
   b, n, h = q.shape
   _, kh, p_max = page_table.shape
   page_size = k_pages.shape[1]
   if block_sizes is None:
-    block_sizes = PagedAttentionBlockSizes.get_default(page_size, p_max)
-  ppb = block_sizes.pages_per_block
+    block_sizes = PagedAttentionBlockSizes.get_default(
+        page_size, p_max, batch=b, kv_heads=kh,
+        form=platform.TPU if fetch == "pipelined" else platform.GPU)
+  ppb, hb = block_sizes.pages_per_block, block_sizes.kv_heads_per_block
   p_pad = pl.cdiv(p_max, ppb) * ppb
   table = jnp.pad(page_table, ((0, 0), (0, 0), (0, p_pad - p_max)), constant_values=-1)
-  call = _call_pipelined if _page_fetch(interpret) == "pipelined" else _call_looped
-  outs = call(q.reshape(b, kh, n // kh, h), k_pages, v_pages, table, lengths, ppb=ppb,
-              hb=block_sizes.kv_heads_per_block, return_weights=return_weights,
-              interpret=interpret)
+  q = q.reshape(b, kh, n // kh, h)
+  if fetch == "pipelined":
+    if block_sizes.num_splits != 1:
+      raise ValueError(f"the TPU (pipelined) form walks each head's blocks in one program: "
+                       f"num_splits must be 1, got {block_sizes.num_splits}")
+    outs = _call_pipelined(q, k_pages, v_pages, table, lengths, ppb=ppb, hb=hb,
+                           return_weights=return_weights, interpret=interpret)
+  else:
+    # Imported here: the GPU module builds on this one's shared pieces.
+    from kvjax.kernels import paged_attention_gpu  # pylint: disable=g-import-not-at-top
+    outs = paged_attention_gpu.call_split(
+        q, k_pages, v_pages, table, lengths, ppb=ppb, hb=hb,
+        num_splits=block_sizes.num_splits, return_weights=return_weights, interpret=interpret)
   out = outs[0].reshape(b, n, h)
   if not return_weights:
     return out
