@@ -3,14 +3,36 @@
 TPU: Mosaic. Blocks' last two dims must be multiples of (8, 128) or the full
 array dims; scalar prefetch, VMEM scratch and DMAs are available.
 
-GPU: Triton. The installed jax (0.10) still ships Pallas' Triton lowering;
-jax 0.11 deprecates it in favour of Mosaic GPU, which this jax already uses
-by default for GPU kernels (and which would stage whole blocks in shared
-memory for our gather-style kernels). Kernels therefore ask for Triton
-explicitly through ``compiler_params`` below; moving to Mosaic GPU means
-changing this module, not the kernels. Triton wants power-of-two array shapes
+GPU: Triton, asked for explicitly through ``compiler_params`` below (jax's
+default GPU lowering is Mosaic GPU). Triton wants power-of-two array shapes
 and ``tl.dot`` operands with every side >= 16, so kernels pad rows with
 ``pad_rows`` and check sizes with ``check_triton``.
+
+Why Triton and not Mosaic GPU (for paged attention, the kernel that matters
+on GPU), decided without a GPU at hand from what jax 0.10.2 here and the jax
+0.11.0 sources show:
+  - Both lower from a CPU jaxlib, and both have a CPU interpreter.
+  - The paged kernels gather a block of pages with one vector of page ids
+    (``pool_ref[pages]``). Triton lowers that to one pointer gather per block
+    of several pages. Mosaic GPU has no such gather (indexing a ref with a
+    vector fails to lower: "Only arrays with tiled layouts can be sliced"
+    under Lane semantics, "int_indexer_shape non-empty" under Warpgroup);
+    its way is one TMA copy and barrier per page, 2 KiB for a page of 16
+    slots at H = 64, with the page ids first copied into shared memory
+    (lowering wants multiples of 128 elements there). Such a loop lowers
+    here only with ``LoweringSemantics.Warpgroup`` pinned, the default from
+    jax 0.11 but not in 0.10 (Lane), and its products go through wgmma's
+    64-row tiles: a design whose speed only the device can tell.
+  - The Triton form of paged attention (then one program per head) already
+    ran on an H200 under jax 0.11.2 and matched its reference; the split
+    (flash-decoding) form changes the grid and each program's share of
+    blocks, not the ops lowered.
+  - jax 0.11 deprecates the Pallas Triton lowering (a "jax-pallas-triton"
+    DeprecationWarning when a kernel lowers; not removed) and equally
+    ``pl.pallas_call`` for Mosaic GPU kernels (``plgpu.kernel`` instead).
+So GPU kernels stay on Triton until a Mosaic GPU paged kernel is measured
+against it on the device; moving means setting ``GPU`` below and giving the
+GPU kernel modules a Mosaic GPU body, not touching the callers.
 
 CPU: kernels run in Pallas' interpreter. The generic interpreter runs the
 GPU form; ``pltpu.force_tpu_interpret_mode()`` (or an ``InterpretParams``
@@ -27,6 +49,8 @@ import jax
 from jax.experimental import pallas as pl
 
 TPU = "mosaic_tpu"
+# The GPU lowering (see the module docstring): "triton"; "mosaic_gpu" is the
+# other one jax offers.
 GPU = "triton"
 # tl.dot needs at least this many rows and columns.
 MIN_DOT = 16
