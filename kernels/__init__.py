@@ -7,8 +7,8 @@ function here; import the module's other names from its full path.
   paged_attention   paged decode attention (weights and log-sum-exp on request)
   window_scores     observation-window scores with GQA aggregation and pooling,
                     key/value norms from the same pass (``token_norms`` alone)
-  compact_slots     move kept entries to the front of their pages, in place;
-                    ``compact_pages`` for whole-page eviction (no data moves)
+  compact_slots     eviction: kept entries to the front of their pages, in place
+                    or from dense entries; the pages past them freed
   platform          the TPU (Mosaic) / GPU (Triton) lowering choice
 
 Without Pallas kernels (XLA on GPU/TPU, C++ on CPU):
@@ -17,7 +17,6 @@ Without Pallas kernels (XLA on GPU/TPU, C++ on CPU):
   native            the C++ CPU kernels (``*_cpu.cc``), compiled on first use
 """
 
-from kvjax.kernels.compaction import compact_pages
 from kvjax.kernels.compaction import compact_slots
 from kvjax.kernels.compaction import compact_slots_reference
 from kvjax.kernels.paged_attention import PagedAttentionBlockSizes
@@ -32,7 +31,6 @@ from kvjax.kernels.window_scoring import window_scores_reference
 __all__ = [
     "PagedAttentionBlockSizes",
     "WindowScoringBlockSizes",
-    "compact_pages",
     "compact_slots",
     "compact_slots_reference",
     "paged_attention",

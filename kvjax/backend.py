@@ -91,8 +91,10 @@ def _pallas_token_norms(x):
   return token_norms(x, interpret=_interpret())
 
 
-def _pallas_compact_slots(pools, page_table, lengths, keep, *, fills):
-  return compact_slots(pools, page_table, lengths, keep, fills=fills, interpret=_interpret())
+def _pallas_compact_slots(pools, page_table, lengths, new_lengths, keep, start, *, fills,
+                          sources=None):
+  return compact_slots(pools, page_table, lengths, new_lengths, keep, start, fills=fills,
+                       sources=sources, interpret=_interpret())
 
 
 def _pallas_segment_ids(cut_after, lengths, *, max_segment, min_segment):

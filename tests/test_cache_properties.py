@@ -11,7 +11,8 @@ operations on the batch:
             an optional decode-time eviction by streaming_llm or h2o;
   unreserved_append  an append without the reserve (its token is dropped where
             the head has no page for it);
-  remove    a random slot per head, in range or not (random evictions);
+  remove    a random slot per head, in range or not (random evictions; pages left
+            empty are freed);
   reset     chosen sequences are emptied; their rows are reused by later prefills.
 
 The same program drives ``Reference``, a plain-Python cache: per (sequence,
@@ -251,6 +252,12 @@ class Reference:
       head[slot] = last
     return evicted
 
+  def free_empty_pages(self) -> None:
+    """An eviction (a compaction of every head) frees each head's pages past its entries."""
+    for b, l, k in self.heads():
+      need = math.ceil(len(self.entries[b][l][k]) / self.cfg.page_size)
+      self.pages[b, l, k] = min(self.pages[b, l, k], need)
+
   def reset(self, b) -> None:
     for l in range(self.cfg.layers):
       for k in range(self.cfg.kv_heads):
@@ -420,6 +427,7 @@ class Run:
             assert gone.position >= policy.n_sink, "streaming_llm evicted a sink"
           else:
             assert gone.position <= positions[b] - 1 - policy.recent, "h2o evicted a recent token"
+      ref.free_empty_pages()
     self._append(rng, positions, reserve=True)
 
   def unreserved_append(self, seed):
@@ -449,6 +457,7 @@ class Run:
     slots = rng.integers(-1, self.ref.lengths() + 2).astype(np.int32)
     self.cache = self.op(_remove)(self.cache, slots)
     removed = [self.ref.remove(b, l, k, int(slots[b, l, k])) for b, l, k in self.ref.heads()]
+    self.ref.free_empty_pages()
     hypothesis.event(f"remove: {sum(e is not None for e in removed)} of {len(removed)} in range")
 
   def reset(self, mask):

@@ -1,6 +1,8 @@
-"""Compaction: the reference against hand values, the Pallas kernel (interpret mode:
-generic/GPU form and TPU DMA form) against the reference, in place under donation,
-lowering for TPU and GPU, whole-page eviction, and a round trip through PagedKVCache.
+"""Compaction, the eviction kernel: the reference against hand values, the Pallas kernel
+(interpret mode: generic/GPU form and TPU DMA form) against the reference in each of its
+callers' forms (keep a set, evict a token, store from dense entries), in place under
+donation, lowering for TPU and GPU at a real model's shapes, and a round trip through
+PagedKVCache.
 """
 
 import functools
@@ -16,7 +18,7 @@ from kvjax import backend as backend_lib
 from kvjax import testing
 from kvjax.cache.paged import PagedKVCache
 from kvjax.kernels import compaction
-from kvjax.kernels.compaction import compact_pages
+from kvjax.kernels.compaction import canonical_keep
 from kvjax.kernels.compaction import compact_slots
 from kvjax.kernels.compaction import compact_slots_reference
 from kvjax.kernels.paged_attention import gather_pages
@@ -24,28 +26,23 @@ from kvjax.kernels.paged_attention import gather_pages
 _FILLS = (None, None, -1, 0.0)  # keys, values, positions, scores
 
 
-def _pools(seed, *, num_pages, page_size, h, dtype):
-  rng = np.random.default_rng(seed)
-  return (jnp.asarray(rng.standard_normal((num_pages, page_size, h)), dtype),
-          jnp.asarray(rng.standard_normal((num_pages, page_size, h)), dtype),
-          jnp.asarray(rng.integers(0, 1000, (num_pages, page_size)), jnp.int32),
-          jnp.asarray(rng.random((num_pages, page_size)), jnp.float32))
+def _pools(rng, shape, h, dtype):
+  """Keys, values [*shape, H] in ``dtype``, positions int32 and scores float32 [*shape]."""
+  return (jnp.asarray(rng.standard_normal(shape + (h,)), dtype),
+          jnp.asarray(rng.standard_normal(shape + (h,)), dtype),
+          jnp.asarray(rng.integers(0, 1000, shape), jnp.int32),
+          jnp.asarray(rng.random(shape), jnp.float32))
 
 
-def _rows(seed, *, lengths, page_size, p_max, num_pages, s_keep):
-  """Page tables owning ceil(length / page_size) shuffled pages, and messy keep lists:
-  unsorted, with duplicates, -1 and slots past the length."""
-  rng = np.random.default_rng(seed)
-  r = len(lengths)
+def _table(rng, pages, num_pages, p_max):
+  """[R, P_max]: row r owns pages[r] shuffled pages of the pool, -1 after them."""
   order = rng.permutation(num_pages)
-  table = np.full((r, p_max), -1, np.int32)
+  table = np.full((len(pages), p_max), -1, np.int32)
   i = 0
-  for ri, n in enumerate(lengths):
-    used = -(-n // page_size)
-    table[ri, :used] = order[i:i + used]
-    i += used
-  keep = rng.integers(-1, p_max * page_size + 3, (r, s_keep)).astype(np.int32)
-  return jnp.asarray(table), jnp.asarray(np.asarray(lengths, np.int32)), jnp.asarray(keep)
+  for r, n in enumerate(pages):
+    table[r, :n] = order[i:i + n]
+    i += n
+  return jnp.asarray(table)
 
 
 def _copy(pools):
@@ -55,6 +52,170 @@ def _copy(pools):
 def _assert_same(got, want):
   for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(w, np.float32))
+
+
+def _case(form, seed, dtype, page_size, h, p_max=4):
+  """(pools, args, sources) of one of the callers' forms over ragged rows: empty, one
+  slot, a partial last page, full, one short of two pages."""
+  rng = np.random.default_rng(seed)
+  lengths = [0, 1, page_size + 3, p_max * page_size, 2 * page_size - 1]
+  r, s = len(lengths), p_max * page_size
+  num_pages = r * p_max + 2
+  pools = _pools(rng, (num_pages, page_size), h, dtype)
+  lengths = jnp.asarray(lengths, jnp.int32)
+  zero = jnp.zeros((r,), jnp.int32)
+  sources = None
+  if form == "set":  # unsorted, duplicates, -1 and slots past the length
+    table = _table(rng, -(-np.asarray(lengths) // page_size), num_pages, p_max)
+    messy = jnp.asarray(rng.integers(-1, s + 3, (r, 2 * page_size)), jnp.int32)
+    keep, new = canonical_keep(messy, lengths)
+    args = (table, lengths, new, keep, zero)
+  elif form in ("keep_all", "keep_none"):
+    table = _table(rng, -(-np.asarray(lengths) // page_size), num_pages, p_max)
+    keep = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (r, s))
+    new = lengths if form == "keep_all" else zero
+    args = (table, lengths, new, jnp.where(keep < new[:, None], keep, -1), zero)
+  elif form == "token":  # -1, the first slot, a middle one, the last, one past the length
+    table = _table(rng, -(-np.asarray(lengths) // page_size), num_pages, p_max)
+    slot = jnp.asarray([-1, 0, 3, p_max * page_size - 1, 2 * page_size - 1], jnp.int32)
+    evict = (slot >= 0) & (slot < lengths)
+    new = lengths - evict.astype(jnp.int32)
+    args = (table, lengths, new, jnp.maximum(lengths - 1, 0)[:, None],
+            jnp.where(evict, slot, new))
+  else:  # "sources", "sources_all", "sources_none": dense entries, every page allocated
+    u = s + 5
+    table = _table(rng, [p_max] * r, num_pages, p_max)
+    sources = _pools(rng, (r, u), h, dtype)
+    mask = {"sources": rng.random((r, u)) < 0.4, "sources_all": np.ones((r, u), bool),
+            "sources_none": np.zeros((r, u), bool)}[form]
+    mask[1] = False  # a row that empties
+    keep = jnp.argsort(~jnp.asarray(mask), axis=-1, stable=True)[:, :s].astype(jnp.int32)
+    new = jnp.minimum(jnp.asarray(mask.sum(-1), jnp.int32), s)
+    args = (table, lengths, new, keep, zero)
+  return pools, args, sources
+
+
+_FORMS = ("set", "keep_all", "keep_none", "token", "sources", "sources_all", "sources_none")
+
+
+class ReferenceByHandTest(absltest.TestCase):
+
+  def test_keeps_slots_in_order_and_frees_pages(self):
+    # Page size 2; the row owns pages 5, 1, 3 and 5 slots holding 10..14. Keeping
+    # slots 4, 1 (any order, a duplicate, a slot past the length) leaves [11, 14] in
+    # page 5; pages 1 and 3 are freed.
+    pos = jnp.full((6, 2), -1, jnp.int32)
+    pos = pos.at[5].set(jnp.array([10, 11])).at[1].set(jnp.array([12, 13])).at[3, 0].set(14)
+    lengths = jnp.array([5], jnp.int32)
+    keep, new = canonical_keep(jnp.array([[4, 1, 4, 7, -1]], jnp.int32), lengths)
+    np.testing.assert_array_equal(keep, [[1, 4, -1, -1, -1]])
+    (out,), table, freed = compact_slots_reference(
+        (pos,), jnp.array([[5, 1, 3]], jnp.int32), lengths, new, keep,
+        jnp.zeros((1,), jnp.int32), fills=(-1,))
+    np.testing.assert_array_equal(out[5], [11, 14])
+    np.testing.assert_array_equal(table, [[5, -1, -1]])
+    np.testing.assert_array_equal(freed, [[-1, 1, 3]])
+
+  def test_fill_past_the_new_length(self):
+    k = jnp.arange(8.0).reshape(2, 2, 2)  # pages 0 and 1, page size 2, H = 2
+    (kp, pp), _, freed = compact_slots_reference(
+        (k, jnp.ones((2, 2), jnp.int32)), jnp.array([[0, 1]], jnp.int32),
+        jnp.array([4], jnp.int32), jnp.array([1], jnp.int32), jnp.array([[2]], jnp.int32),
+        jnp.zeros((1,), jnp.int32), fills=(None, -1))
+    np.testing.assert_array_equal(kp[0], [[4.0, 5.0], [2.0, 3.0]])  # slot 1 untouched
+    np.testing.assert_array_equal(pp[0], [1, -1])
+    np.testing.assert_array_equal(freed, [[-1, 1]])
+
+  def test_token_eviction_moves_the_last_slot_and_touches_nothing_else(self):
+    # Page size 2, pages 4, 0, 2 holding positions 0..4; evicting slot 1 moves slot 4
+    # (position 4) there, clears it, and frees page 2, now empty.
+    pos = jnp.full((5, 2), -1, jnp.int32)
+    pos = pos.at[4].set(jnp.array([0, 1])).at[0].set(jnp.array([2, 3])).at[2, 0].set(4)
+    (out,), table, freed = compact_slots_reference(
+        (pos,), jnp.array([[4, 0, 2]], jnp.int32), jnp.array([5], jnp.int32),
+        jnp.array([4], jnp.int32), jnp.array([[4]], jnp.int32), jnp.array([1], jnp.int32),
+        fills=(-1,))
+    np.testing.assert_array_equal(out[4], [0, 4])
+    np.testing.assert_array_equal(out[0], [2, 3])
+    np.testing.assert_array_equal(table, [[4, 0, -1]])
+    np.testing.assert_array_equal(freed, [[-1, -1, 2]])
+
+  def test_store_from_sources(self):
+    # The row holds 3 entries (page 1, then page 0); the source's rows 4, 0, 2 become
+    # its slots 0..2, the third page is freed.
+    pos = jnp.full((3, 2), 7, jnp.int32)
+    src = jnp.array([[10, 11, 12, 13, 14]], jnp.int32)
+    (out,), table, freed = compact_slots_reference(
+        (pos,), jnp.array([[1, 0, 2]], jnp.int32), jnp.array([3], jnp.int32),
+        jnp.array([3], jnp.int32), jnp.array([[4, 0, 2, 3]], jnp.int32),
+        jnp.zeros((1,), jnp.int32), fills=(-1,), sources=(src,))
+    np.testing.assert_array_equal(out[1], [14, 10])
+    np.testing.assert_array_equal(out[0], [12, 7])  # slot 3 was never filled: untouched
+    np.testing.assert_array_equal(table, [[1, 0, -1]])
+    np.testing.assert_array_equal(freed, [[-1, -1, 2]])
+
+
+# (dtype, page_size, head_dim): every value of every axis.
+_GRID = ((jnp.float32, 8, 64), (jnp.bfloat16, 16, 128), (jnp.float32, 32, 128),
+         (jnp.bfloat16, 8, 64))
+
+
+class CompactSlotsKernelTest(parameterized.TestCase):
+
+  @parameterized.product(form=_FORMS, grid=_GRID)
+  def test_matches_reference(self, form, grid):
+    dtype, page_size, h = grid
+    pools, args, sources = _case(form, page_size + h, dtype, page_size, h)
+    want = compact_slots_reference(pools, *args, fills=_FILLS, sources=sources)
+    got = compact_slots(_copy(pools), *args, fills=_FILLS, sources=sources, interpret=True)
+    _assert_same(got, want)
+
+  @parameterized.product(form=_FORMS, dtype=(jnp.float32, jnp.bfloat16))
+  def test_tpu_form_matches_reference(self, form, dtype):
+    pools, args, sources = _case(form, 7, dtype, 8, 64, p_max=3)
+    want = compact_slots_reference(pools, *args, fills=_FILLS, sources=sources)
+    with pltpu.force_tpu_interpret_mode():
+      got = compact_slots(_copy(pools), *args, fills=_FILLS, sources=sources, interpret=True)
+    _assert_same(got, want)
+
+  def test_updates_donated_pools_in_place(self):
+    pools, args, _ = _case("set", 3, jnp.float32, 8, 64)
+    mine = _copy(pools)
+    got = compact_slots(mine, *args, fills=_FILLS, interpret=True)
+    self.assertTrue(all(x.is_deleted() for x in mine))
+    _assert_same(got, compact_slots_reference(pools, *args, fills=_FILLS))
+
+  def test_backend_switch(self):
+    for form in ("set", "sources"):
+      pools, args, sources = _case(form, 4, jnp.float32, 8, 64)
+      want = backend_lib.get("compact_slots", "xla")(pools, *args, fills=_FILLS,
+                                                     sources=sources)
+      got = backend_lib.get("compact_slots", "pallas")(_copy(pools), *args, fills=_FILLS,
+                                                       sources=sources)
+      _assert_same(got, want)
+
+  # SmolLM2-135M's cache at budget 1024 (30 layers, 3 KV heads, H = 64, page size 16):
+  # a decode step's token eviction over every head of every layer (in the pool), and a
+  # chunk's store of one layer from its 1024 + 512 dense entries.
+  @parameterized.product(
+      target=(("tpu", compaction._call_dma, "tpu_custom_call"),
+              ("cuda", compaction._call_gather, "triton")),
+      shape=((90, 64, 1, None), (3, 64, 1024, 1536)))
+  def test_lowers_for_platform(self, target, shape):
+    plat, call, marker = target
+    r, p_max, m, u = shape
+    s, h = 16, 64
+    p = 30 * 3 * p_max
+    pools = (jax.ShapeDtypeStruct((p, s, h), jnp.bfloat16),
+             jax.ShapeDtypeStruct((p, s, h), jnp.bfloat16),
+             jax.ShapeDtypeStruct((p, s), jnp.int32), jax.ShapeDtypeStruct((p, s), jnp.float32))
+    sources = None if u is None else tuple(
+        jax.ShapeDtypeStruct((r, u) + x.shape[2:], x.dtype) for x in pools)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    fn = functools.partial(call, fills=_FILLS, interpret=False)
+    lowered = jax.jit(fn).trace(pools, sources, i32(r, p_max), i32(r, m),
+                                i32(r, compaction._PLAN)).lower(lowering_platforms=(plat,))
+    self.assertIn(marker, lowered.as_text())
 
 
 def _filled_cache(b=2, l=2, kh=2, h=64, ps=8, t=29, seed=0):
@@ -73,115 +234,19 @@ def _filled_cache(b=2, l=2, kh=2, h=64, ps=8, t=29, seed=0):
   return cache
 
 
-class ReferenceByHandTest(absltest.TestCase):
+class CacheTest(parameterized.TestCase):
 
-  def test_keeps_slots_in_order_and_frees_pages(self):
-    # Page size 2; the row owns pages 5, 1, 3 and 5 slots holding 10..14. Keeping
-    # slots 4, 1 (any order, a duplicate, a slot past the length) leaves [11, 14] in
-    # page 5; pages 1 and 3 are freed.
-    pos = jnp.full((6, 2), -1, jnp.int32)
-    pos = pos.at[5].set(jnp.array([10, 11])).at[1].set(jnp.array([12, 13])).at[3, 0].set(14)
-    (out,), table, lengths, freed = compact_slots_reference(
-        (pos,), jnp.array([[5, 1, 3]], jnp.int32), jnp.array([5], jnp.int32),
-        jnp.array([[4, 1, 4, 7, -1]], jnp.int32), fills=(-1,))
-    np.testing.assert_array_equal(out[5], [11, 14])
-    np.testing.assert_array_equal(table, [[5, -1, -1]])
-    np.testing.assert_array_equal(lengths, [2])
-    np.testing.assert_array_equal(freed, [[-1, 1, 3]])
-
-  def test_fill_past_the_new_length(self):
-    k = jnp.arange(8.0).reshape(2, 2, 2)  # pages 0 and 1, page size 2, H = 2
-    (kp, pp), _, lengths, freed = compact_slots_reference(
-        (k, jnp.ones((2, 2), jnp.int32)), jnp.array([[0, 1]], jnp.int32),
-        jnp.array([4], jnp.int32), jnp.array([[2]], jnp.int32), fills=(None, -1))
-    np.testing.assert_array_equal(kp[0], [[4.0, 5.0], [2.0, 3.0]])  # slot 1 untouched
-    np.testing.assert_array_equal(pp[0], [1, -1])
-    np.testing.assert_array_equal(lengths, [1])
-    np.testing.assert_array_equal(freed, [[-1, 1]])
-
-  def test_compact_pages(self):
-    # Page size 4, lengths 11 (pages 7, 2, 9; the last holds 3) and 8 (pages 4, 6).
-    table = jnp.array([[7, 2, 9], [4, 6, -1]], jnp.int32)
-    keep = jnp.array([[False, True, True], [True, False, True]])
-    new_table, lengths, freed = compact_pages(table, jnp.array([11, 8], jnp.int32), keep, 4)
-    np.testing.assert_array_equal(new_table, [[2, 9, -1], [4, -1, -1]])
-    np.testing.assert_array_equal(lengths, [7, 4])
-    np.testing.assert_array_equal(freed, [[7, -1, -1], [-1, 6, -1]])
-
-
-# (dtype, page_size, head_dim): every value of every axis. Lengths are ragged: empty,
-# one slot, a partial last page, full.
-_GRID = ((jnp.float32, 8, 64), (jnp.bfloat16, 16, 128), (jnp.float32, 32, 128),
-         (jnp.bfloat16, 8, 64))
-
-
-class CompactSlotsKernelTest(parameterized.TestCase):
-
-  def _case(self, seed, dtype, page_size, h, p_max=4):
-    lengths = [0, 1, page_size + 3, p_max * page_size, 2 * page_size - 1]
-    num_pages = len(lengths) * p_max + 2
-    pools = _pools(seed, num_pages=num_pages, page_size=page_size, h=h, dtype=dtype)
-    rows = _rows(seed, lengths=lengths, page_size=page_size, p_max=p_max, num_pages=num_pages,
-                 s_keep=2 * page_size)
-    return pools, rows
-
-  @parameterized.parameters(*_GRID)
-  def test_matches_reference(self, dtype, page_size, h):
-    pools, rows = self._case(page_size + h, dtype, page_size, h)
-    want = compact_slots_reference(pools, *rows, fills=_FILLS)
-    got = compact_slots(_copy(pools), *rows, fills=_FILLS, interpret=True)
-    _assert_same(got, want)
-
-  @parameterized.parameters((jnp.float32, 8, 64), (jnp.bfloat16, 16, 128))
-  def test_tpu_form_matches_reference(self, dtype, page_size, h):
-    pools, rows = self._case(7, dtype, page_size, h, p_max=3)
-    want = compact_slots_reference(pools, *rows, fills=_FILLS)
-    with pltpu.force_tpu_interpret_mode():
-      got = compact_slots(_copy(pools), *rows, fills=_FILLS, interpret=True)
-    _assert_same(got, want)
-
-  def test_updates_donated_pools_in_place(self):
-    pools, rows = self._case(3, jnp.float32, 8, 64)
-    mine = _copy(pools)
-    got = compact_slots(mine, *rows, fills=_FILLS, interpret=True)
-    self.assertTrue(all(x.is_deleted() for x in mine))
-    _assert_same(got, compact_slots_reference(pools, *rows, fills=_FILLS))
-
-  def test_backend_switch(self):
-    pools, rows = self._case(4, jnp.float32, 8, 64)
-    want = backend_lib.get("compact_slots", "xla")(pools, *rows, fills=_FILLS)
-    got = backend_lib.get("compact_slots", "pallas")(_copy(pools), *rows, fills=_FILLS)
-    _assert_same(got, want)
-
-  @parameterized.parameters(("tpu", compaction._call_dma, "tpu_custom_call"),
-                            ("cuda", compaction._call_gather, "triton"))
-  def test_lowers_for_platform(self, plat, call, marker):
-    p, s, h, r, p_max = 64, 16, 128, 6, 8
-    pools = (jax.ShapeDtypeStruct((p, s, h), jnp.bfloat16),
-             jax.ShapeDtypeStruct((p, s, h), jnp.bfloat16),
-             jax.ShapeDtypeStruct((p, s), jnp.int32), jax.ShapeDtypeStruct((p, s), jnp.float32))
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-    fn = functools.partial(call, fills=_FILLS, interpret=False)
-    lowered = jax.jit(fn).trace(pools, i32(r, p_max * s), i32(r, p_max * s), i32(r, p_max),
-                                i32(r)).lower(lowering_platforms=(plat,))
-    self.assertIn(marker, lowered.as_text())
-
-  def test_cache_round_trip(self):
-    # Compact layer 1 of a real cache, give the freed pages back: the page accounting
-    # holds, and each head keeps exactly the chosen original positions, in order.
+  @parameterized.parameters("xla", "pallas")
+  def test_compact_round_trip(self, backend):
+    # Compact layer 1 of a real cache: the page accounting holds, and each head keeps
+    # exactly the chosen original positions, in order.
     b, kh, t = 2, 2, 29
     cache = _filled_cache(b=b, kh=kh, t=t)
     rng = np.random.default_rng(0)
-    table, lengths = cache.layer_view(1)
+    _, lengths = cache.layer_view(1)
     keep = jnp.asarray(rng.integers(0, t, (b, kh, 12)), jnp.int32)
-    pools = (cache.k_pages, cache.v_pages, cache.positions, cache.scores)
-    (kp, vp, pos, sc), new_table, new_len, freed = compact_slots(
-        pools, table.reshape(b * kh, -1), lengths.reshape(-1), keep.reshape(b * kh, -1),
-        fills=_FILLS, interpret=True)
-    cache = cache.replace(k_pages=kp, v_pages=vp, positions=pos, scores=sc,
-                          page_table=cache.page_table.at[:, 1].set(new_table.reshape(b, kh, -1)),
-                          lengths=cache.lengths.at[:, 1].set(new_len.reshape(b, kh)))
-    cache = cache.release(freed.reshape(-1))
+    with backend_lib.use(backend):
+      cache = cache.compact(1, keep)
     testing.assert_cache_consistent(cache)
     kept = np.asarray(cache.kept_positions())[:, 1]
     for bi in range(b):
@@ -193,49 +258,60 @@ class CompactSlotsKernelTest(parameterized.TestCase):
     # Layer 0 is untouched.
     self.assertEqual(np.asarray(cache.lengths)[:, 0].tolist(), [[29, 13], [0, 20]])
 
-
-class CompactFromEntriesTest(absltest.TestCase):
-  """``PagedKVCache.compact(..., entries=)`` takes keys and values from what was read."""
-
-  def test_same_cache_as_compacting_from_the_pools(self):
-    cache = _filled_cache()
-    keep = jnp.asarray(np.random.default_rng(1).integers(-1, 33, (2, 2, 12)), jnp.int32)
-    table, _ = cache.layer_view(1)
-    entries = (gather_pages(cache.k_pages, table), gather_pages(cache.v_pages, table))
-    want = cache.compact(1, keep)
-    got = cache.compact(1, keep, entries=entries)
-    testing.assert_cache_consistent(got)
-    _assert_same(got, want)
-    with self.assertRaisesRegex(ValueError, r"values must have shape \[B, K, S, H\]"):
-      cache.compact(1, keep, entries=(entries[0], entries[1][:, :, :8]))
-
-  def test_a_read_then_compact_program_updates_the_pools_in_place(self):
-    # The keys decide what is kept, the values are only read: from the pools, XLA
-    # copies the value pool; from the read entries, it copies nothing. (Eight layers:
-    # the pool is larger than a layer's reads.)
+  def test_store_kept_from_read_entries_updates_the_pools_in_place(self):
+    # The keys decide what is kept, the values are only read. Compacting in the pool
+    # after such a read, XLA copies the value pool; storing from the read entries (what
+    # chunked prefill does), it copies nothing. (Eight layers: the pool is larger than
+    # a layer's reads.)
     cache = _filled_cache(l=8)
+    table, _ = cache.layer_view(1)
+    read = [gather_pages(x, table) for x in (cache.k_pages, cache.v_pages, cache.positions,
+                                             cache.scores)]
+    top = jnp.argsort(-read[0][..., 0], axis=-1)[..., :10].astype(jnp.int32)
+    slots = jnp.arange(cache.max_slots)
+    mask = (slots == top[..., None]).any(-2) & (slots < cache.lengths[:, 1, :, None])
+    want = cache.compact(1, top)
+    got = cache.store_kept(1, mask, tuple(read))
+    testing.assert_cache_consistent(got)
+    np.testing.assert_array_equal(got.kept_positions(), want.kept_positions())
 
-    def program(cache, entries_given):
+    def program(cache, from_entries):
       table, _ = cache.layer_view(1)
-      keys, values = gather_pages(cache.k_pages, table), gather_pages(cache.v_pages, table)
-      keep = jnp.argsort(-keys[..., 0], axis=-1)[..., :10].astype(jnp.int32)
-      out = cache.compact(1, keep, entries=(keys, values) if entries_given else None)
-      return out, values.sum()
+      read = [gather_pages(x, table) for x in (cache.k_pages, cache.v_pages, cache.positions,
+                                               cache.scores)]
+      top = jnp.argsort(-read[0][..., 0], axis=-1)[..., :10].astype(jnp.int32)
+      if from_entries:
+        mask = (slots == top[..., None]).any(-2) & (slots < cache.lengths[:, 1, :, None])
+        out = cache.store_kept(1, mask, tuple(read))
+      else:
+        out = cache.compact(1, top)
+      return out, read[1].sum()
 
-    def scratch(entries_given):
-      fn = jax.jit(functools.partial(program, entries_given=entries_given), donate_argnums=0)
+    def scratch(from_entries):
+      fn = jax.jit(functools.partial(program, from_entries=from_entries), donate_argnums=0)
       return fn.lower(cache).compile().memory_analysis().temp_size_in_bytes
 
     pool = cache.v_pages.nbytes
     self.assertGreaterEqual(scratch(False), pool)
     self.assertLess(scratch(True), pool)
 
+  def test_store_kept_bad_entries(self):
+    cache = _filled_cache()
+    keep = jnp.zeros((2, 2, 40), bool)
+    entries = (jnp.zeros((2, 2, 40, 64)), jnp.zeros((2, 2, 40, 64)),
+               jnp.zeros((2, 2, 40), jnp.int32), jnp.zeros((2, 2, 40)))
+    with self.assertRaisesRegex(ValueError, r"values must have shape \[B, K, U, H\]"):
+      cache.store_kept(1, keep, (entries[0], entries[1][..., :8]) + entries[2:])
+    with self.assertRaisesRegex(ValueError, "keep must be a bool array"):
+      cache.store_kept(1, keep.astype(jnp.int32), entries)
+
 
 class ValidationTest(parameterized.TestCase):
 
   def _good(self):
+    r = jnp.zeros((2,), jnp.int32)
     return dict(pools=(jnp.zeros((4, 8, 16)),), page_table=jnp.zeros((2, 2), jnp.int32),
-                lengths=jnp.zeros((2,), jnp.int32), keep=jnp.zeros((2, 3), jnp.int32),
+                lengths=r, new_lengths=r, keep=jnp.zeros((2, 3), jnp.int32), start=r,
                 fills=(None,))
 
   @parameterized.named_parameters(
@@ -247,8 +323,16 @@ class ValidationTest(parameterized.TestCase):
        r"page_table must be int32 \[R, P_max\], got int16"),
       ("lengths", dict(lengths=jnp.zeros((3,), jnp.int32)),
        r"lengths must be int32 \[R\] = \(2,\), got int32 \(3,\)"),
+      ("new_lengths", dict(new_lengths=jnp.zeros((2,), jnp.float32)),
+       r"new_lengths must be int32 \[R\] = \(2,\), got float32 \(2,\)"),
+      ("start", dict(start=jnp.zeros((2, 1), jnp.int32)),
+       r"start must be int32 \[R\] = \(2,\), got int32 \(2, 1\)"),
       ("keep", dict(keep=jnp.zeros((1, 3), jnp.int32)),
-       r"keep must be int32 \[R, S_keep\] with R = 2, got int32 \(1, 3\)"),
+       r"keep must be int32 \[R, M\] with R = 2, M >= 1, got int32 \(1, 3\)"),
+      ("sources_count", dict(sources=(jnp.zeros((2, 5, 16)),) * 2),
+       r"sources must be None or a tuple with one array per pool \(1\)"),
+      ("sources_shape", dict(sources=(jnp.zeros((2, 5, 8)),)),
+       r"sources\[0\] must have shape \[R, U, H\] = \(2, 5, 16\), got \(2, 5, 8\)"),
   )
   def test_bad_input(self, overrides, message):
     args = {**self._good(), **overrides}

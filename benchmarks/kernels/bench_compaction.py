@@ -2,7 +2,8 @@ r"""Compaction: Pallas kernel (in place) vs jnp reference vs plain XLA, in bytes
 
   python benchmarks/kernels/bench_compaction.py --rows=12 --page_size=16 --keep=0.5
 
-Each row (a (sequence, KV head)) keeps a random ``keep`` fraction of its slots.
+Each row (a (sequence, KV head)) keeps a random ``keep`` fraction of its slots (the
+op's keep-a-set form: the slots in increasing order from slot 0).
 Plain XLA: gather every kept entry into freshly allocated dense pools (what one
 does without in-place compaction). Bytes: each kept entry's key and value
 (and position and score) read once and written once.
@@ -20,7 +21,6 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 import common  # pylint: disable=g-import-not-at-top
 
-from kvjax.kernels.compaction import canonical_keep
 from kvjax.kernels.compaction import compact_slots
 from kvjax.kernels.compaction import compact_slots_reference
 
@@ -47,15 +47,17 @@ def main(_):
   n_keep = int(s * FLAGS.keep)
   keep = jnp.asarray(np.sort(np.stack([rng.choice(s, n_keep, replace=False)
                                        for _ in range(r)]), axis=1).astype(np.int32))
+  new_lengths, start = jnp.full((r,), n_keep, jnp.int32), jnp.zeros((r,), jnp.int32)
   base = (jnp.asarray(rng.standard_normal((num_pages, ps, h)), dtype),
           jnp.asarray(rng.standard_normal((num_pages, ps, h)), dtype),
           jnp.asarray(rng.integers(0, 1 << 20, (num_pages, ps)), jnp.int32),
           jnp.asarray(rng.random((num_pages, ps)), jnp.float32))
-  fresh = lambda: (tuple(jnp.array(x, copy=True) for x in base), table, lengths, keep)
+  fresh = lambda: (tuple(jnp.array(x, copy=True) for x in base), table, lengths, new_lengths,
+                   keep, start)
 
-  def plain(pools, table, lengths, keep):
-    kept, _ = canonical_keep(keep, lengths)
-    src = jnp.take_along_axis(table, jnp.maximum(kept, 0) // ps, 1) * ps + kept % ps
+  def plain(pools, table, lengths, new_lengths, keep, start):
+    del lengths, new_lengths, start
+    src = jnp.take_along_axis(table, keep // ps, 1) * ps + keep % ps
     return tuple(x.reshape(num_pages * ps, *x.shape[2:])[src] for x in pools)  # [R, n, ...]
 
   kernel = jax.jit(lambda *a: compact_slots(*a, fills=_FILLS, interpret=common.interpret()),

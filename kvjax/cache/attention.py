@@ -286,9 +286,11 @@ def chunk_attention(
   sequence per (sequence, KV head), in slot order, with their original
   positions, the chunk's queries on the chunk's slots and zero queries
   elsewhere), and the entries it keeps are written to the head's first slots,
-  in that order; pages past them are freed. The chunk's keys and values never
-  enter the pool before compression, so the pool needs room for what the
-  policy keeps only: the chunk lives in the program's scratch, a layer at a time.
+  in that order; pages past them are freed (``PagedKVCache.store_kept``: the
+  backend's ``compact_slots`` op, storing from the dense entries). The chunk's
+  keys and values never enter the pool before compression, so the pool needs
+  room for what the policy keeps only: the chunk lives in the program's
+  scratch, a layer at a time.
 
   Policies that score from an observation window inside the chunk (the last
   queries before each head's length) or from the keys and values see what
@@ -346,40 +348,7 @@ def chunk_attention(
   keep = (kept[:, 0] >= 0).reshape(b, kh, u) & (slot < total[..., None])
   # A sequence without new tokens keeps everything (its heads did not change).
   keep = jnp.where((lengths > 0)[:, None, None], keep, slot < cached[..., None])
-  return _store_kept(cache, layer, keep, (union_k, union_v, union_pos, union_scores)), out
-
-
-def _store_kept(cache: PagedKVCache, layer, keep, entries) -> PagedKVCache:
-  """Writes each head's kept entries to its first slots, in order, and frees the pages past them.
-
-  Args:
-    keep: [B, K, U] bool, the entries each head keeps (at most its capacity).
-    entries: (keys [B, K, U, H], values [B, K, U, H], positions [B, K, U],
-      scores [B, K, U]) to keep from.
-  """
-  ps, p_max = cache.page_size, cache.page_table.shape[-1]
-  s = p_max * ps
-  count = keep.sum(-1, dtype=jnp.int32)  # [B, K]
-  # Kept entries first, in slot order: the source of each of the head's slots.
-  order = jnp.argsort(~keep, axis=-1, stable=True)[..., :s]  # [B, K, S]
-  filled = jnp.arange(s) < count[..., None]
-  k, v, pos, scores = (jnp.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 3)),
-                                           axis=2) for x in entries)
-  pos = jnp.where(filled, pos, EMPTY)
-  scores = jnp.where(filled, scores, 0.0)
-  cache = cache.set_lengths(layer, count)
-  cache = cache.reserve(cache.lengths)
-  table = cache.page_table[:, layer]  # [B, K, P_max]
-  spare = (jnp.arange(p_max) >= -(-count // ps)[..., None]) & (table >= 0)
-  cache = cache.replace(page_table=cache.page_table.at[:, layer].set(
-      jnp.where(spare, EMPTY, table))).release(jnp.where(spare, table, EMPTY).reshape(-1))
-  page = jnp.repeat(jnp.where(spare | (table < 0), cache.num_pages, table), ps, axis=-1)
-  off = jnp.arange(s) % ps
-  return cache.replace(
-      k_pages=cache.k_pages.at[page, off].set(k.astype(cache.k_pages.dtype), mode="drop"),
-      v_pages=cache.v_pages.at[page, off].set(v.astype(cache.v_pages.dtype), mode="drop"),
-      positions=cache.positions.at[page, off].set(pos, mode="drop"),
-      scores=cache.scores.at[page, off].set(scores.astype(jnp.float32), mode="drop"))
+  return cache.store_kept(layer, keep, (union_k, union_v, union_pos, union_scores)), out
 
 
 def decode_attention(

@@ -22,9 +22,12 @@ import numpy as np
 from flax import struct
 
 from kvjax import backend as backend_lib
-from kvjax.kernels.compaction import source_slots
+from kvjax.kernels.compaction import canonical_keep
 
 EMPTY = -1  # page id of an absent page, original position of an empty slot
+# What an eviction leaves in the slots a head gives up on its last page: keys and
+# values as they were (nothing reads past a head's length), no position, no score.
+_FILLS = (None, None, EMPTY, 0.0)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
@@ -285,34 +288,27 @@ class PagedKVCache:
     out = self.write(layer, k, v, slots, positions)
     return out.replace(lengths=out.lengths.at[:, layer].set(lengths + fits.astype(jnp.int32)))
 
+  # ---------------------------------------------------------------- eviction
+  # Every eviction is one call of the backend's ``compact_slots`` op (the Pallas
+  # kernel, or its jnp reference): kept entries move to their head's first
+  # slots, the head's pages past them go back on the free stack.
+
   def remove(self, slots: jax.Array) -> "PagedKVCache":
     """Evicts one slot per head, [B, L, K] (-1 = none), keeping slots dense.
 
     The head's last filled slot moves into the evicted one (order inside a head
     carries no meaning: each slot records its original position), so the head
-    holds one entry fewer and its next append lands at the end. Slots outside
-    [0, length) are ignored.
+    holds one entry fewer and its next append lands at the end; a page left
+    empty goes back on the free stack. Slots outside [0, length) are ignored.
     """
     check_array("slots", slots, "[B, L, K]", self.lengths.shape, "int")
-    ps = self.page_size
     last = self.lengths - 1
     evict = (slots >= 0) & (slots <= last)
-
-    def locate(slot):  # [B, L, K] slot -> flat (page, offset) index into the pool
-      page = jnp.take_along_axis(self.page_table, (jnp.maximum(slot, 0) // ps)[..., None], -1)
-      return page[..., 0], jnp.maximum(slot, 0) % ps
-
-    src_page, src_off = locate(last)
-    dst_page, dst_off = locate(slots)
-    dst_page = jnp.where(evict, dst_page, self.num_pages)  # dropped
-    move = lambda pool: pool.at[dst_page, dst_off].set(pool[src_page, src_off], mode="drop")
-    cleared = lambda pool, fill: pool.at[jnp.where(evict, src_page, self.num_pages),
-                                         src_off].set(fill, mode="drop")
-    positions = cleared(move(self.positions), EMPTY)
-    return self.replace(
-        k_pages=move(self.k_pages), v_pages=move(self.v_pages),
-        positions=positions, scores=cleared(move(self.scores), 0.0),
-        lengths=self.lengths - evict.astype(jnp.int32))
+    new_lengths = self.lengths - evict.astype(jnp.int32)
+    # Evicting the last slot itself moves nothing: start = the new length.
+    start = jnp.where(evict, slots, new_lengths)
+    return self._compact(None, self.page_table, self.lengths, new_lengths,
+                         jnp.maximum(last, 0)[..., None], start)
 
   def drop_pages(self, index: jax.Array) -> "PagedKVCache":
     """Evicts one whole page per head, [B, L, K] page index within the head (-1 = none).
@@ -328,70 +324,96 @@ class PagedKVCache:
     check_array("index", index, "[B, L, K]", self.lengths.shape, "int")
     ps = self.page_size
     p_max = self.page_table.shape[-1]
-    have = _pages_owned(self.page_table)
-    drop = (index >= 0) & (index < have)
-    at = jnp.where(drop, index, p_max)[..., None]  # [B, L, K, 1]; p_max: nothing moves
+    have = _pages_owned(self.page_table)[..., None]  # [B, L, K, 1]
+    drop = (index >= 0) & (index < have[..., 0])
+    at = jnp.where(drop, index, p_max)[..., None]
+    # The page moves behind the head's other pages, where the compaction frees it.
     j = jnp.arange(p_max)
-    src = jnp.where(j >= at, j + 1, j)
+    src = jnp.where(j < at, j, jnp.where(j < have - 1, j + 1, jnp.where(j < have, at, j)))
     table = jnp.take_along_axis(self.page_table, jnp.minimum(src, p_max - 1), axis=-1)
-    table = jnp.where(src < p_max, table, EMPTY)
-    dropped = jnp.take_along_axis(self.page_table, jnp.minimum(at, p_max - 1), axis=-1)[..., 0]
     lost = jnp.clip(self.lengths - jnp.where(drop, index, 0) * ps, 0, ps)
-    out = self.release(jnp.where(drop, dropped, EMPTY).reshape(-1))
-    return out.replace(page_table=table,
-                       lengths=self.lengths - jnp.where(drop, lost, 0).astype(jnp.int32))
+    new_lengths = self.lengths - jnp.where(drop, lost, 0).astype(jnp.int32)
+    return self._compact(None, table, new_lengths, new_lengths,
+                         jnp.full(new_lengths.shape + (1,), EMPTY, jnp.int32), new_lengths)
 
-  def compact(self, layer, keep: jax.Array, entries: tuple[jax.Array, jax.Array] | None = None
-              ) -> "PagedKVCache":
+  def compact(self, layer, keep: jax.Array) -> "PagedKVCache":
     """Keeps the given slots of each head of one layer and frees the pages left over.
 
     Args:
       layer: layer index (may be traced).
-      keep: [B, K, S_keep] int32 slots each head keeps (-1 = none; any order).
-      entries: optional (keys, values) [B, K, S, H], the layer's slots as read
-        (``gather_pages``) after its last write. Given, the kept keys and
-        values are taken from them and only written to the pools: the write
-        then depends on that read, so XLA updates the pools in place. A
-        program that reads a pool and then compacts it with nothing ordering
-        the two (a policy that scores only the keys) copies that pool
-        instead: 34 MiB for SmolLM2 at budget 1024 plus a 512-token chunk.
+      keep: [B, K, S_keep] int32 slots each head keeps (-1 = none; any order,
+        duplicates and slots past the head's length ignored).
 
-    The kept entries move to slots 0 .. n - 1 in their original slot order
-    (the ``compact_slots`` op of the ambient backend: Pallas in place, or the
-    XLA reference) and the pages past them go back on the free stack.
+    The kept entries move to slots 0 .. n - 1 in their original slot order, in
+    place, and the pages past them go back on the free stack.
     """
     _check_layer(layer, self.num_layers)
     b, kh = self.batch_size, self.num_kv_heads
     check_array("keep", keep, "[B, K, S_keep]", (b, kh, None), "int")
     table, lengths = self.layer_view(layer)
-    for name, x in zip(("keys", "values"), entries or ()):
-      check_array(name, x, "[B, K, S, H]", (b, kh, self.max_slots, self.k_pages.shape[-1]),
-                  "float")
-    rows = (table.reshape(b * kh, -1), lengths.reshape(b * kh), keep.reshape(b * kh, -1))
-    pools, fills = (self.positions, self.scores), (EMPTY, 0.0)
-    if entries is None:
-      pools, fills = (self.k_pages, self.v_pages) + pools, (None, None) + fills
-    pools, table, new_lengths, freed = backend_lib.get("compact_slots")(pools, *rows, fills=fills)
-    kv = pools[:2] if entries is None else self._write_kept(entries, table, *rows[1:])
-    out = self.replace(k_pages=kv[0], v_pages=kv[1], positions=pools[-2], scores=pools[-1])
-    out = out.release(freed.reshape(-1))
-    return out.replace(page_table=out.page_table.at[:, layer].set(table.reshape(b, kh, -1)),
-                       lengths=out.lengths.at[:, layer].set(new_lengths.reshape(b, kh)))
+    kept, count = canonical_keep(keep.reshape(b * kh, -1), lengths.reshape(-1))
+    return self._compact(layer, table, lengths, count.reshape(b, kh),
+                         kept.reshape(b, kh, -1), jnp.zeros((b, kh), jnp.int32))
 
-  def _write_kept(self, entries, kept_pages, lengths, keep):
-    """``compact``'s keys and values from ``entries``: the pools with each row's kept
-    entries written to its kept pages ([R, P_max], -1 past them), in slot order."""
-    r, p_max = kept_pages.shape
-    ps, h = self.page_size, self.k_pages.shape[-1]
-    src, _ = source_slots(keep, lengths, p_max * ps)  # [R, S]
-    page = jnp.repeat(kept_pages, ps, axis=1)
-    page = jnp.where(page >= 0, page, self.num_pages)  # past the kept pages: dropped
-    off = jnp.broadcast_to(jnp.arange(p_max * ps) % ps, page.shape)
-    return tuple(
-        pool.at[page, off].set(
-            jnp.take_along_axis(x.reshape(r, p_max * ps, h), src[..., None], axis=1)
-            .astype(pool.dtype), mode="drop")
-        for pool, x in zip((self.k_pages, self.v_pages), entries))
+  def store_kept(self, layer, keep: jax.Array, entries: tuple[jax.Array, ...]
+                 ) -> "PagedKVCache":
+    """Replaces each head of one layer by the entries ``keep`` marks, in order.
+
+    The store from scratch of a compression: the entries (a head's cached
+    entries as read, and new ones that never entered the pool) come as dense
+    rows, the kept ones fill the head's first slots and the head's pages past
+    them are freed. Taking the cached keys and values from what was read, not
+    from the pools, orders the pools' update after every read of them, so XLA
+    updates them in place.
+
+    Args:
+      layer: layer index (may be traced).
+      keep: [B, K, U] bool, the entries each head keeps (at most its capacity;
+        the excess is lost).
+      entries: (keys [B, K, U, H], values [B, K, U, H], positions [B, K, U],
+        scores [B, K, U]).
+    """
+    _check_layer(layer, self.num_layers)
+    b, kh, h = self.batch_size, self.num_kv_heads, self.k_pages.shape[-1]
+    check_array("keep", keep, "[B, K, U]", (b, kh, None), "bool")
+    u = keep.shape[-1]
+    kinds = ("float", "float", "int", "float")
+    for name, x, kind, tail in zip(("keys", "values", "positions", "scores"), entries, kinds,
+                                   ((h,), (h,), (), ())):
+      check_array(name, x, "[B, K, U" + (", H]" if tail else "]"), (b, kh, u) + tail, kind)
+    # Kept entries first, in order: the entry each of the head's slots takes.
+    order = jnp.argsort(~keep, axis=-1, stable=True)[..., :self.max_slots].astype(jnp.int32)
+    _, lengths = self.layer_view(layer)
+    out = self.set_lengths(layer, keep.sum(-1, dtype=jnp.int32))
+    out = out.reserve(out.lengths)
+    table, new_lengths = out.layer_view(layer)
+    return out._compact(layer, table, lengths, new_lengths, order,
+                        jnp.zeros((b, kh), jnp.int32), sources=entries)
+
+  def _compact(self, layer, table, lengths, new_lengths, keep, start, sources=None
+               ) -> "PagedKVCache":
+    """One ``compact_slots`` call over the heads of one layer (``layer``) or of all (None).
+
+    Args:
+      table: [B, (L,) K, P_max] the heads' pages; lengths, new_lengths, start:
+        [B, (L,) K]; keep: [B, (L,) K, M]; sources: None or the pools' entries
+        [B, (L,) K, U, ...] (see ``kvjax.kernels.compaction``).
+    """
+    heads = table.shape[:-1]
+    r = math.prod(heads)
+    rows = lambda x: x.reshape((r,) + x.shape[len(heads):])
+    pools = (self.k_pages, self.v_pages, self.positions, self.scores)
+    pools, table, freed = backend_lib.get("compact_slots")(
+        pools, rows(table), rows(lengths), rows(new_lengths), rows(keep), rows(start),
+        fills=_FILLS, sources=None if sources is None else tuple(map(rows, sources)))
+    table = table.reshape(heads + (-1,))
+    new_lengths = new_lengths.astype(jnp.int32)
+    if layer is not None:
+      table = self.page_table.at[:, layer].set(table)
+      new_lengths = self.lengths.at[:, layer].set(new_lengths)
+    out = self.replace(k_pages=pools[0], v_pages=pools[1], positions=pools[2], scores=pools[3],
+                       page_table=table, lengths=new_lengths)
+    return out.release(freed.reshape(-1))
 
   def set_lengths(self, layer, lengths: jax.Array) -> "PagedKVCache":
     """Sets the filled slots [B, K] of one layer, clamped to [0, capacity].
