@@ -10,6 +10,7 @@ Pallas flash kernel on TPU) and the native CPU kernel
 from __future__ import annotations
 
 import jax
+from jax.extend import backend as jax_backend
 import jax.numpy as jnp
 
 from kvjax.kernels import platform
@@ -113,7 +114,8 @@ def _on_cuda() -> bool:
   """An NVIDIA GPU is the default device (cuDNN needs one when it is traced)."""
   if jax.default_backend() != "gpu":
     return False
-  return "cuda" in getattr(jax.devices()[0].client, "platform_version", "").lower()
+  # The check jax's cuDNN front end makes itself (ROCm names "rocm" there).
+  return "cuda" in jax_backend.get_backend().platform_version
 
 
 def causal_attention_fused(
