@@ -54,6 +54,26 @@ def test_synthetic_cache_holds_the_most_recent_positions(smollm2_lm):
   assert (kept[48:] == -1).all()
 
 
+def test_synthetic_cache_per_layer_budgets(smollm2_lm):
+  """PyramidKV's budgets differ by layer: each layer holds its own most recent positions."""
+  from kvjax import policies
+  cfg = runner.BenchConfig(policy="pyramidkv", budget=256, context_length=700, decode_steps=2,
+                           batch_size=2)
+  policy = policies.get("pyramidkv", window=8)
+  cache, budgets = runner.synthetic_cache(smollm2_lm, cfg, policy, seed=3)
+  assert budgets == runner.cache_budgets(smollm2_lm, cfg, policy) and len(set(budgets)) > 1
+  kept = np.asarray(cache.kept_positions())  # [B, L, K, S]
+  lengths = np.asarray(cache.lengths)
+  for l, b in enumerate(budgets):
+    assert (lengths[:, l] == b).all()
+    np.testing.assert_array_equal(kept[:, l, :, :b],
+                                  np.broadcast_to(np.arange(700 - b, 700), kept[:, l, :, :b].shape))
+    assert (kept[:, l, :, b:] == -1).all()
+  assert int(cache.num_free) == cache.num_pages - int(np.ceil(lengths / 16).sum())
+  keys = np.asarray(cache.k_pages, np.float32)
+  assert np.isfinite(keys).all() and keys.std() > 0.5  # random normal entries were written
+
+
 def test_cli_writes_rows_summary_and_plots(tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "kvjax.bench", "--policies=full,snapkv", "--budget=32",

@@ -3,11 +3,12 @@
 Two ways to fill the cache before decoding:
   "prompt"     a real NIAH prompt of the context length through ``kvjax.generate``
                (prefill + compression timed too); only up to the model's context.
-  "synthetic"  random keys and values of the right shapes written straight into
-               the pages (the full cache holds the context length, a policy its
-               budget), then the same compiled decode loop. A decode step costs
-               the same whatever the numbers are, so this measures decoding at
-               cache lengths past the model's context or a CPU's patience.
+  "synthetic"  random keys and values of the right shapes written into the
+               cache through its own API (the full cache holds the context
+               length, a policy its budget), then the same compiled decode
+               loop. A decode step costs the same whatever the numbers are,
+               so this measures decoding at cache lengths past the model's
+               context or a CPU's patience.
 Each timing follows a warm-up run of the same compiled program and ends with
 ``block_until_ready``.
 
@@ -127,7 +128,7 @@ def measure(cfg: BenchConfig, lm=None) -> dict:
   policy = policies.get(cfg.policy, **fields).bind(lm.tokenizer)
   policy.validate(cfg.budget)
   load_peak, rss_loaded, rss_file = peak_rss_bytes(), rss_bytes(), rss_bytes("RssFile")
-  run = _prompt_run if fill == "prompt" else _synthetic_run
+  run = _prompt_run if fill == "prompt" else synthetic_decode
   with buffer_memory.track() as buffers:
     row = run(lm, cfg, policy)
   decode_s = row.pop("decode_s")
@@ -183,42 +184,68 @@ def _prompt_run(lm, cfg: BenchConfig, policy) -> dict:
           "kv_bytes": best.kv_bytes, "prompt_tokens": best.prompt_tokens[0]}
 
 
+def cache_budgets(lm, cfg: BenchConfig, policy) -> tuple[int, ...]:
+  """Entries per layer ``policy`` keeps of a ``context_length`` prompt (all of it for full)."""
+  n, num_layers = cfg.context_length, lm.config.num_layers
+  budgets = policy.layer_budgets(cfg.budget, n, num_layers) if cfg.budget else (n,) * num_layers
+  return tuple(min(b, n) for b in budgets)
+
+
 def synthetic_cache(lm, cfg: BenchConfig, policy, seed: int = 0):
   """A cache filled with random entries as ``policy`` would leave a ``context_length`` prompt.
 
-  Returns (cache, budgets per layer). Slots hold the most recent positions.
+  Returns (cache, budgets per layer). Each head holds the most recent
+  positions: layer l's heads hold positions n - b_l .. n - 1 in slots
+  0 .. b_l - 1 (b_l its budget, n the context length). Filled through the
+  cache's own API (``create``, then ``reserve``, ``write`` and ``set_lengths``
+  in one program that updates the pools in place).
   """
   from kvjax.cache.paged import PagedKVCache
   c = lm.config
   n = cfg.context_length
-  budgets = policy.layer_budgets(cfg.budget, n, c.num_layers) if cfg.budget else (n,) * c.num_layers
-  budgets = tuple(min(b, n) for b in budgets)
+  budgets = cache_budgets(lm, cfg, policy)
   capacity = policy.capacity(budget=cfg.budget, prompt_len=n, extra_tokens=0,
                              max_new_tokens=cfg.decode_steps, page_size=cfg.page_size,
                              num_layers=c.num_layers)
   cache = PagedKVCache.create(batch_size=cfg.batch_size, capacity=capacity,
                               num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
                               head_dim=c.head_dim, page_size=cfg.page_size, dtype=lm.dtype)
-  lengths = jnp.broadcast_to(jnp.asarray(budgets, jnp.int32)[None, :, None], cache.lengths.shape)
-  cache = cache.reserve(lengths)
-  kk, kv = jax.random.split(jax.random.key(seed))
-  # Each slot's position: the head's entries are the most recent ones.
-  ps = cfg.page_size
-  slot = (jnp.arange(cache.page_table.shape[-1])[:, None] * ps + jnp.arange(ps))  # [P_max, S_page]
-  pos = (n - lengths)[..., None, None] + slot  # [B, L, K, P_max, S_page]
-  pos = jnp.where(slot < lengths[..., None, None], pos, -1)
-  page = jnp.where(cache.page_table >= 0, cache.page_table, cache.num_pages)
-  positions = cache.positions.at[page].set(pos, mode="drop")
-  return cache.replace(
-      k_pages=jax.random.normal(kk, cache.k_pages.shape, cache.k_pages.dtype),
-      v_pages=jax.random.normal(kv, cache.v_pages.shape, cache.v_pages.dtype),
-      positions=positions, lengths=lengths), budgets
+  cache = _fill(cache, jnp.asarray(budgets, jnp.int32), n, max(budgets), jax.random.key(seed))
+  return cache, budgets
 
 
-def _synthetic_run(lm, cfg: BenchConfig, policy) -> dict:
-  import kvjax
+@functools.partial(jax.jit, static_argnums=(2, 3), donate_argnums=0)
+def _fill(cache, budgets, n: int, t: int, key):
+  """Reserves pages for ``budgets`` [L] entries per head of each layer and writes the last
+  ``t`` of ``n`` positions there, random keys and values.
+
+  Token i (position n - t + i) goes to slot i - (t - b_l) of layer l (b_l <= t),
+  skipped (slot -1) when negative.
+  """
+  b, kh, h = cache.batch_size, cache.num_kv_heads, cache.k_pages.shape[-1]
+  cache = cache.reserve(jnp.broadcast_to(budgets[None, :, None], cache.lengths.shape))
+  positions = jnp.broadcast_to(n - t + jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
+
+  def layer(l, cache):
+    kk, kv = jax.random.split(jax.random.fold_in(key, l))
+    k = jax.random.normal(kk, (b, t, kh, h), cache.k_pages.dtype)
+    v = jax.random.normal(kv, (b, t, kh, h), cache.v_pages.dtype)
+    slot = jnp.arange(t, dtype=jnp.int32) - (t - budgets[l])
+    slots = jnp.broadcast_to(jnp.where(slot >= 0, slot, -1), (b, kh, t))  # [B, K, T]
+    cache = cache.write(l, k, v, slots, positions)
+    return cache.set_lengths(l, jnp.broadcast_to(budgets[l], (b, kh)))
+
+  return jax.lax.fori_loop(0, cache.num_layers, layer, cache)
+
+
+def synthetic_decode(lm, cfg: BenchConfig, policy) -> dict:
+  """Times the decode loop on synthetic caches: the best of ``repeats`` runs after a warm-up.
+
+  ``cfg.backend`` (possibly "auto", resolved per op) is the ambient backend of
+  the decode program. Returns decode_s, steps (forward passes timed),
+  compile_s, kv_bytes, and prefill_s / prompt_tokens None.
+  """
   from kvjax import generation
-  backend = kvjax.backend.resolve(cfg.backend)
   best = compile_s = None
   for i in range(cfg.repeats + 1):  # run 0 is the warm-up (it compiles)
     cache, budgets = synthetic_cache(lm, cfg, policy, seed=i)
@@ -229,7 +256,8 @@ def _synthetic_run(lm, cfg: BenchConfig, policy) -> dict:
     nxt = jnp.full((cfg.batch_size,), cfg.context_length, jnp.int32)
     _, steps, _, seconds, dt = generation.decode(
         lm, cache, logits, nxt, policy=policy, limit=limit, max_new_tokens=cfg.decode_steps,
-        backend=backend)
+        backend=cfg.backend)
+    del cache
     if i == 0:
       compile_s = dt
     elif best is None or seconds < best[0]:
