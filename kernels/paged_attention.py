@@ -29,8 +29,9 @@ platform is chosen in ``kvjax.kernels.platform``, the form in ``_page_fetch``:
                      pages of one share of a head's blocks and writing its
                      partial softmax state; an XLA pass merges the shares.
 Block sizes (pages per block, KV heads per program, splits) are a frozen
-dataclass, ``PagedAttentionBlockSizes``; the pieces both forms share
-(``_attend_block``, ``_finish``, ``_weights_from_blocks``) live here.
+dataclass, ``PagedAttentionBlockSizes``; it and the online-softmax step both
+forms share (``attend_block``, ``finish``) live in
+``kvjax.kernels.paged_attention_common``.
 On CPU the kernel runs in interpret mode: the generic interpreter runs the
 split kernel, TPU interpret mode runs the pipelined one.
 
@@ -55,26 +56,20 @@ pipelined form and them on the same inputs in TPU interpret mode):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from kvjax.kernels import paged_attention_gpu
 from kvjax.kernels import platform
+from kvjax.kernels.paged_attention_common import attend_block
+from kvjax.kernels.paged_attention_common import finish
+from kvjax.kernels.paged_attention_common import PagedAttentionBlockSizes
 
 # Dtypes the kernel takes for queries, keys and values.
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-# Slots one compute block spans by default: one full lane row of a TPU vreg,
-# and a tl.dot width that keeps a GPU's tensor cores busy.
-_DEFAULT_BLOCK_SLOTS = 128
-# Programs that fill a GPU: ~132 SMs (H100, H200) times a few resident
-# programs each, so that one program's page loads overlap another's math.
-_GPU_PROGRAMS = 4 * 132
-# The fewest blocks a split reduces by default: shorter shares spend more on
-# writing and merging their partial state than on reading pages.
-_MIN_BLOCKS_PER_SPLIT = 2
 
 
 def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
@@ -133,105 +128,7 @@ def paged_attention_reference(
   return out, (p / safe).reshape(b, n, -1), lse.reshape(b, n)
 
 
-# ------------------------------------------------------------------ block sizes
-
-
-@dataclasses.dataclass(frozen=True)
-class PagedAttentionBlockSizes:
-  """How the kernel divides its work: pages per block, heads per program, splits.
-
-  Attributes:
-    pages_per_block: pages attended together in one online-softmax step
-      (C = pages_per_block * S_page slots). Wider blocks give wider matmuls and
-      fewer rescales; the page table is padded with absent pages to a multiple.
-    kv_heads_per_block: KV heads (each with its G query heads) one grid
-      program serves; must divide K. More heads per program amortise the
-      per-step cost when heads are short; fewer give more parallel programs.
-    num_splits: programs sharing the blocks of one (sequence, KV head) in the
-      GPU (split) form, each reducing a contiguous share of the filled blocks
-      (flash-decoding); the TPU (pipelined) form walks a head's blocks in one
-      program and takes only 1.
-  """
-
-  pages_per_block: int
-  kv_heads_per_block: int = 1
-  num_splits: int = 1
-
-  def __post_init__(self):
-    for name in ("pages_per_block", "kv_heads_per_block", "num_splits"):
-      value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-  @classmethod
-  def get_default(cls, page_size: int, max_pages: int, *, batch: int = 1, kv_heads: int = 1,
-                  form: str = platform.TPU) -> "PagedAttentionBlockSizes":
-    """Block sizes for a [B, K, P_max] page table in the given form (``platform.TPU``/``GPU``).
-
-    Pages per block: at most _DEFAULT_BLOCK_SLOTS slots and P_max pages, a
-    power of two (Triton's blocks must be). Splits (GPU form only): enough
-    programs, B * K * splits, to fill the chip (_GPU_PROGRAMS), a power of
-    two, at most one split per _MIN_BLOCKS_PER_SPLIT blocks; 1 where B * K
-    already fills it.
-    """
-    fit = max(1, min(max_pages, _DEFAULT_BLOCK_SLOTS // page_size))
-    ppb = 1 << (fit.bit_length() - 1)
-    splits = 1
-    if form != platform.TPU:
-      num_blocks = -(-max_pages // ppb)
-      want = max(1, min(_GPU_PROGRAMS // (batch * kv_heads),
-                        num_blocks // _MIN_BLOCKS_PER_SPLIT))
-      splits = 1 << (want.bit_length() - 1)
-    return cls(pages_per_block=ppb, num_splits=splits)
-
-
-# ------------------------------------------------------------------ kernels
-
-
-def _attend_block(q, k, v, valid, valid_rows, carry, *, scale):
-  """One online-softmax step over a block of C slots (shared by both kernels).
-
-  Args:
-    q: [G, H] the query heads of one KV head.
-    k, v: [C, H] the block's keys and values.
-    valid: [1, C] bool, slots below the head's length. At least one must be
-      true: a block with none would turn the running max into -inf - -inf.
-    valid_rows: [C, H] (or [C, 1]) bool, the same per value row: invalid rows
-      are zeroed, as a zero weight does not cancel a NaN or Inf left there by
-      a page's other or previous owner (0 * inf = NaN).
-    carry: (running max [G, 1], denominator [G, 1], accumulator [G, H]), f32.
-    scale: H ** -0.5.
-
-  Returns:
-    (new carry, p [G, C] = exp(logits - new running max), zero where invalid).
-  """
-  m, l, acc = carry
-  # Mixed q/kv dtypes meet in float32; bfloat16 x bfloat16 stays on the fast
-  # matmul path with a float32 accumulator. HIGHEST keeps float32 products
-  # exact (no single bf16/tf32 pass): with G rows per program decode is
-  # bound by reading the pages, not by the extra matmul passes.
-  dtype = jnp.promote_types(q.dtype, k.dtype)
-  logits = jax.lax.dot_general(
-      q.astype(dtype), k.astype(dtype), (((1,), (1,)), ((), ())),
-      precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32) * scale
-  logits = jnp.where(valid, logits, -jnp.inf)
-  m_new = jnp.maximum(m, logits.max(axis=1, keepdims=True))
-  rescale = jnp.exp(m - m_new)
-  p = jnp.exp(logits - m_new)
-  l = l * rescale + p.sum(axis=1, keepdims=True)
-  v = jnp.where(valid_rows, v, jnp.zeros_like(v))
-  acc = acc * rescale + jax.lax.dot_general(
-      p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-      precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-  return (m_new, l, acc), p
-
-
-def _finish(carry):
-  """(out [G, H], lse [G, 1]) from the softmax state; zeros and -inf for an empty head."""
-  m, l, acc = carry
-  nonempty = l > 0
-  safe_l = jnp.where(nonempty, l, 1.0)  # an empty head has acc == 0, so out is 0
-  return acc / safe_l, jnp.where(nonempty, m + jnp.log(safe_l), -jnp.inf)
+# ------------------------------------------------------------------ TPU form
 
 
 def paged_attention_pipelined_kernel(
@@ -276,7 +173,7 @@ def paged_attention_pipelined_kernel(
     valid = start + jax.lax.broadcasted_iota(jnp.int32, (1, c), 1) < length
     # Full [C, H] (no broadcast of a mask across lanes in Mosaic).
     valid_rows = start + jax.lax.broadcasted_iota(jnp.int32, v.shape, 0) < length
-    carry, p = _attend_block(q_ref[i], k, v, valid, valid_rows,
+    carry, p = attend_block(q_ref[i], k, v, valid, valid_rows,
                              (m_ref[i], l_ref[i], acc_ref[i]), scale=scale)
     m_ref[i], l_ref[i], acc_ref[i] = carry
     if return_weights:
@@ -290,7 +187,7 @@ def paged_attention_pipelined_kernel(
   @pl.when(j == pl.num_programs(2) - 1)
   def _write():
     for i in range(hb):
-      out, lse = _finish((m_ref[i], l_ref[i], acc_ref[i]))
+      out, lse = finish((m_ref[i], l_ref[i], acc_ref[i]))
       out_ref[i] = out.astype(out_ref.dtype)
       lse_ref[i] = lse
 
@@ -496,8 +393,6 @@ def _paged_attention(q, k_pages, v_pages, page_table, lengths, *, block_sizes, r
     outs = _call_pipelined(q, k_pages, v_pages, table, lengths, ppb=ppb, hb=hb,
                            return_weights=return_weights, interpret=interpret)
   else:
-    # Imported here: the GPU module builds on this one's shared pieces.
-    from kvjax.kernels import paged_attention_gpu  # pylint: disable=g-import-not-at-top
     outs = paged_attention_gpu.call_split(
         q, k_pages, v_pages, table, lengths, ppb=ppb, hb=hb,
         num_splits=block_sizes.num_splits, return_weights=return_weights, interpret=interpret)

@@ -26,8 +26,8 @@ is static (``PagedAttentionBlockSizes.num_splits``, by default enough programs
 to fill the chip, 1 when B * K already does).
 
 With ``return_weights`` the kernel also writes each visited block's
-exp(logit - running max) and that max; the wrapper rescales them by
-exp(max - lse) (``_weights_from_blocks``). Without it nothing more is written.
+exp(logit - running max) and that max, which the wrapper rescales by
+exp(max - lse), as for the TPU form. Without it nothing more is written.
 
 Triton compiles power-of-two array shapes only, and tl.dot wants every side
 >= 16: the G query heads are padded with zero queries to max(16, next power
@@ -47,8 +47,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kvjax.kernels import platform
-from kvjax.kernels.paged_attention import _attend_block
-from kvjax.kernels.paged_attention import _finish
+from kvjax.kernels.paged_attention_common import attend_block
+from kvjax.kernels.paged_attention_common import finish
 
 
 def paged_attention_split_kernel(
@@ -82,7 +82,7 @@ def paged_attention_split_kernel(
       k = k_ref[pages].reshape(c, h)
       v = v_ref[pages].reshape(c, h)
       slot = j * c + jnp.arange(c)
-      carry, p = _attend_block(q, k, v, slot[None, :] < length, slot[:, None] < length, carry,
+      carry, p = attend_block(q, k, v, slot[None, :] < length, slot[:, None] < length, carry,
                                scale=scale)
       if weight_refs:
         weight_refs[0][i, j] = p
@@ -116,7 +116,7 @@ def merge_splits(m, l, acc):
   weight = jnp.exp(m - jnp.where(jnp.isneginf(top), 0.0, top)[:, :, None])
   l = (l * weight).sum(axis=2)
   acc = (acc * weight[..., None]).sum(axis=2)
-  out, lse = _finish((top[..., None], l[..., None], acc))
+  out, lse = finish((top[..., None], l[..., None], acc))
   return out, lse[..., 0]
 
 
