@@ -101,7 +101,7 @@ def fused_form(q: jax.Array) -> str:
   when ``pltpu.force_tpu_interpret_mode()`` is active); otherwise XLA over
   blocks of queries.
   """
-  if jax.default_backend() == "tpu" or platform.tpu_interpret_forced():
+  if platform.target() == "tpu" or platform.tpu_interpret_forced():
     return TPU_FLASH
   h = q.shape[-1]
   if (_on_cuda() and jnp.dtype(q.dtype) in (jnp.bfloat16, jnp.float16)

@@ -45,6 +45,9 @@ XLA backend never uses them, and they would hold ~9 MiB of its memory.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 from jax.experimental import pallas as pl
 
@@ -54,6 +57,39 @@ TPU = "mosaic_tpu"
 GPU = "triton"
 # tl.dot needs at least this many rows and columns.
 MIN_DOT = 16
+
+
+# Platforms by jax.default_backend()'s names.
+PLATFORMS = ("cpu", "gpu", "tpu")
+_TARGET = contextvars.ContextVar("kvjax_target_platform", default=None)
+
+
+def target() -> str:
+  """The platform programs are built for: the default device's, unless ``targeting`` says."""
+  return _TARGET.get() or jax.default_backend()
+
+
+@contextlib.contextmanager
+def targeting(name: str):
+  """Builds programs for platform ``name`` ("cpu", "gpu" or "tpu") inside the block.
+
+  For lowering a program for a chip this machine lacks
+  (``jax.jit(f).trace(...).lower(lowering_platforms=...)``): kernels take
+  that chip's compiled form instead of the interpreter, and ``"auto"``
+  resolves as it would there.
+  """
+  if name not in PLATFORMS:
+    raise ValueError(f"platform must be one of {PLATFORMS}, got {name!r}")
+  token = _TARGET.set(name)
+  try:
+    yield
+  finally:
+    _TARGET.reset(token)
+
+
+def interpret_here() -> bool:
+  """Whether Pallas kernels must run in the interpreter: built for a CPU, nothing compiles them."""
+  return target() == "cpu"
 
 
 def tpu():
@@ -79,7 +115,7 @@ def lowering(interpret) -> str:
   """TPU (Mosaic) or GPU (Triton) form for a kernel called with this ``interpret``."""
   if isinstance(interpret, tpu().InterpretParams) or tpu_interpret_forced():
     return TPU
-  return TPU if jax.default_backend() == "tpu" else GPU
+  return TPU if target() == "tpu" else GPU
 
 
 def compiler_params(form: str, num_dims: int, *, sequential_last: bool = False):

@@ -54,6 +54,7 @@ from kvjax.kernels.compaction import compact_slots_reference
 from kvjax.kernels.paged_attention import paged_attention
 from kvjax.kernels.paged_attention import paged_attention_reference
 from kvjax.kernels import native
+from kvjax.kernels import platform as platform_lib
 from kvjax.kernels import quantized
 from kvjax.kernels.causal_attention import causal_attention_fused
 from kvjax.kernels.causal_attention import causal_attention_reference
@@ -70,9 +71,7 @@ BACKENDS = ("auto", "xla", "pallas", "native")
 NATIVE_ENV = "KVJAX_NATIVE"
 
 
-def _interpret() -> bool:
-  """Pallas kernels run in interpret mode on CPU, where nothing compiles them."""
-  return jax.default_backend() == "cpu"
+_interpret = platform_lib.interpret_here
 
 
 def _pallas_paged_attention(q, k_pages, v_pages, page_table, lengths, *, return_weights=False):
@@ -165,7 +164,7 @@ def native_available() -> bool:
   The first call compiles them (seconds) unless a build is cached; a failure
   is warned about once and "auto" then stays on XLA.
   """
-  if jax.default_backend() != "cpu":
+  if platform_lib.target() != "cpu":
     return False
   error = _native_error()
   if error is not None:
@@ -196,7 +195,7 @@ def resolve(backend: str, op: str = "paged_attention") -> str:
   if op not in _OPS:
     raise ValueError(f"unknown kernel op {op!r}; known ops: {ops()}")
   impls = _OPS[op]
-  platform = jax.default_backend()
+  platform = platform_lib.target()
   if backend == "auto":
     return _auto(op, platform)
   if backend == "native":

@@ -30,8 +30,9 @@ flags.DEFINE_integer("max_new_tokens", 16, "Tokens to generate.")
 flags.DEFINE_float("temperature", 0.0, "0 for greedy decoding.")
 flags.DEFINE_integer("page_size", 16, "Slots per cache page.")
 flags.DEFINE_enum("backend", "auto", ["auto", "xla", "pallas", "native"], "Paged attention implementation.")
-flags.DEFINE_bool("scan_layers", True, "Stacked layers under lax.scan; --noscan_layers gives each "
-                  "layer its own weights and unrolls them: faster decode steps, slower compilation.")
+flags.DEFINE_bool("scan_layers", None, "Stacked layers under lax.scan; --noscan_layers gives each "
+                  "layer its own weights and unrolls them: faster decode steps, slower compilation "
+                  "(default: scanned on CPU, unrolled on GPU and TPU).")
 flags.DEFINE_bool("packed", False, "Keep a GGUF model's Q4_1 / Q8_0 matrices as their blocks "
                   "(the same weights, read in place by the products; see kvjax.load).")
 
