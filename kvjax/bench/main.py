@@ -6,6 +6,8 @@ r"""Decode speed, prefill time and memory of KV-cache policies against context l
   python -m kvjax.bench --policies=full,snapkv --context_lengths=8000 --prefill_chunk=512
   python -m kvjax.bench ... --compilation_cache=~/.cache/kvjax/xla   # twice: the second
                                                  # run loads its programs, compiles none
+  python -m kvjax.bench --preset=accelerator   # a GPU/TPU against its physical floor
+                                                 # (kvjax/bench/accelerator.py)
 
 Each (policy, context length) runs in a fresh child process (``--isolate``), so
 its peak memory is its own. Lengths that fit the model's context run a real
@@ -25,6 +27,7 @@ import sys
 from absl import flags
 
 from kvjax import cli
+from kvjax.bench import accelerator
 from kvjax.bench import report
 from kvjax.bench import runner
 
@@ -57,7 +60,17 @@ flags.DEFINE_string("compilation_cache", None,
                     "that of running, without the compiler's (run the bench twice; each "
                     "row counts its programs_compiled and programs_from_cache).")
 flags.DEFINE_bool("isolate", True, "Run each configuration in its own process (own peak memory).")
-flags.DEFINE_string("out", "results/bench", "Output folder.")
+flags.DEFINE_string("out", "results/bench", "Output folder (results/accelerator with --preset).")
+flags.DEFINE_enum("preset", None, ["accelerator"],
+                  "accelerator: kernel bytes/s, decode ms/step, throughput, prefill and "
+                  "pallas-vs-xla tokens on the random Llama-3.2-1B shape against the chip's "
+                  "floor (kvjax/bench/accelerator.py); of the other flags it reads only "
+                  "--out, --scale, --sections and --[no]scan_layers (when given; else the "
+                  "device's default layout).")
+flags.DEFINE_enum("scale", "auto", ["auto", "full", "small"],
+                  "With --preset: full sizes, or toy ones (a plumbing check); auto: small "
+                  "on CPU, full on a GPU/TPU.")
+flags.DEFINE_list("sections", list(accelerator.SECTIONS), "With --preset: the sections to run.")
 flags.DEFINE_string("child", None, "Internal: run one configuration (JSON) and print its row.")
 
 _ROW = "KVJAX_BENCH_ROW "
@@ -113,6 +126,15 @@ def main(argv) -> None:
   cli.quiet_logs()
   if FLAGS.child:  # one configuration, in this (fresh) process
     print(_ROW + json.dumps(runner.measure(runner.BenchConfig(**json.loads(FLAGS.child)))))
+    return
+  if FLAGS.preset == "accelerator":
+    unknown = sorted(set(FLAGS.sections) - set(accelerator.SECTIONS))
+    if unknown:
+      cli.fail(f"--sections: unknown {unknown}; known: {','.join(accelerator.SECTIONS)}")
+    out = FLAGS.out if FLAGS["out"].present else "results/accelerator"
+    accelerator.run(out, scale=FLAGS.scale, sections=FLAGS.sections,
+                    scan_layers=FLAGS.scan_layers if FLAGS["scan_layers"].present else None)
+    print(f"rows and summary.md in {out}")
     return
   try:
     todo = configs()
