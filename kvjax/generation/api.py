@@ -186,20 +186,20 @@ def _run(lm: LanguageModel, batch: inputs.Batch, options: inputs.Options,
   decode_options = dict(policy=plan.policy, limit=plan.limit,
                         max_new_tokens=options.max_new_tokens, backend=options.backend,
                         stop_ids=options.stop_ids, sampler=sampler, seed=options.seed)
+  # Compiled before the cache exists: the compiler's transient memory then
+  # does not stack on the page pool and what the prefill leaves.
   abstract = jax.eval_shape(plan.new_cache)
-  prefill = plan.prefill
-  program = clock.compile(prefill.program, prefill.first_args(abstract), prefill.statics)
-  logits = program.out_info[1] if prefill.returns_logits else prefill.logits
+  logits = plan.prefill.compile(clock, abstract)
   clock.compile(programs.decode, *plan_lib.decode_call(
       lm, abstract, logits, batch.lengths, **decode_options))
 
-  cache, logits = prefill.run(clock, plan.new_cache())
+  cache, logits = plan.prefill.run(clock, plan.new_cache())
   if batch.question_tokens is not None:
     cache, logits = plan_lib.append_questions(lm, batch, options, clock, cache)
   tokens, steps, cache = clock.run("decode", programs.decode, *plan_lib.decode_call(
       lm, cache, logits, batch.next_positions, **decode_options))
 
-  stops = set(options.stop_ids)
+  stops = {int(s) for s in options.stop_ids}
   token_ids = [_until_stop(row, stops) for row in np.asarray(tokens)]
   texts = [lm.tokenizer.decode(row) if lm.tokenizer is not None else "" for row in token_ids]
   stats = GenerationStats(

@@ -49,8 +49,14 @@ class Prefill:
   logits: Any  # [B, V]: before the first call; for ``store``, the recorded ones it keeps
   returns_logits: bool = True  # False: the program returns the cache alone
 
-  def first_args(self, cache) -> tuple:
-    return self.args(cache, self.starts[0], self.logits)
+  def compile(self, clock: Clock, cache) -> Any:
+    """Compiles the program for ``cache`` (abstract); returns the logits [B, V] it will leave.
+
+    Those are abstract (their shape and dtype), or for ``store`` the recorded ones.
+    """
+    program = clock.compile(self.program, self.args(cache, self.starts[0], self.logits),
+                            self.statics)
+    return program.out_info[1] if self.returns_logits else self.logits
 
   def run(self, clock: Clock, cache: PagedKVCache) -> tuple[PagedKVCache, jax.Array]:
     """Fills ``cache`` (donated); returns (cache, next-token logits [B, V])."""
