@@ -4,7 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
+from absl.testing import parameterized
 
+from kvjax import backend as backend_lib
 from kvjax import testing
 from kvjax.cache import EMPTY
 from kvjax.cache import PagedKVCache
@@ -105,6 +107,57 @@ class WriteTest(absltest.TestCase):
       cache = cache.append(0, kv, kv, jnp.array([[i]]))
     self.assertEqual(int(cache.lengths[0, 0, 0]), 8)
     np.testing.assert_array_equal(cache.kept_positions()[0, 0, 0], np.arange(8))
+
+
+def _appended(lengths, page_size=4):
+  """A cache (B=1, L=2, K=2) whose head (l, k) holds positions 0 .. lengths[l][k] - 1
+  in order, its keys and values equal to its positions."""
+  cache = _cache(batch_size=1, num_kv_heads=2, page_size=page_size, capacity=4 * page_size)
+  t = int(np.max(lengths))
+  kv = jnp.broadcast_to(jnp.arange(t, dtype=jnp.float32)[None, :, None, None], (1, t, 2, 4))
+  for layer, row in enumerate(lengths):
+    n = jnp.asarray([row], jnp.int32)  # [B, K]
+    cache = cache.set_lengths(layer, n)
+    cache = cache.reserve(cache.lengths)
+    slots = jnp.where(jnp.arange(t) < n[..., None], jnp.arange(t), -1)
+    cache = cache.write(layer, kv, kv, slots, jnp.arange(t, dtype=jnp.int32)[None])
+  return cache
+
+
+class EvictionTest(parameterized.TestCase):
+  """Evictions (``remove``, ``drop_pages``, ``compact``) through the backend's
+  ``compact_slots`` op: the same cache from the kernel ("pallas") as from its reference."""
+
+  def test_remove_moves_the_last_slot_in_and_frees_an_emptied_page(self):
+    cache = _appended([[9, 6], [3, 4]])
+    free = int(cache.num_free)
+    # (0, 0): slot 2 takes slot 8, page 2 (slot 8 alone) is freed; (0, 1): slot 5 is
+    # the last one; (1, 0): -1; (1, 1): slot 4 is past the length.
+    out = cache.remove(jnp.array([[[2, 5], [-1, 4]]], jnp.int32))
+    testing.assert_cache_consistent(out)
+    kept = np.asarray(out.kept_positions())[0]
+    np.testing.assert_array_equal(kept[0, 0, :9], [0, 1, 8, 3, 4, 5, 6, 7, EMPTY])
+    np.testing.assert_array_equal(kept[0, 1, :6], [0, 1, 2, 3, 4, EMPTY])
+    np.testing.assert_array_equal(out.lengths[0], [[8, 5], [3, 4]])
+    self.assertEqual(int(out.num_free), free + 1)
+    np.testing.assert_array_equal(out.page_table[0, 1], cache.page_table[0, 1])
+    page = int(out.page_table[0, 0, 0, 0])
+    np.testing.assert_array_equal(out.k_pages[page, 2], np.full(4, 8.0))
+
+  @parameterized.parameters("remove", "drop_pages", "compact")
+  def test_pallas_equals_xla(self, method):
+    cache = _appended([[9, 6], [13, 4]])
+    args = {"remove": jnp.array([[[2, 5], [0, 4]]], jnp.int32),
+            "drop_pages": jnp.array([[[1, 0], [2, -1]]], jnp.int32),
+            "compact": (1, jnp.array([[[3, 0, 12, 7, 3], [-1, 2, 1, 3, 9]]], jnp.int32))}[method]
+    args = args if isinstance(args, tuple) else (args,)
+    outs = []
+    for backend in ("xla", "pallas"):
+      with backend_lib.use(backend):
+        outs.append(jax.jit(lambda c, *a: getattr(c, method)(*a))(cache, *args))
+    testing.assert_cache_consistent(outs[0])
+    for got, want in zip(jax.tree.leaves(outs[1]), jax.tree.leaves(outs[0])):
+      np.testing.assert_array_equal(got, want)
 
 
 class AttentionEntryPointTest(absltest.TestCase):

@@ -6,6 +6,7 @@ PagedKVCache.
 """
 
 import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -304,6 +305,43 @@ class CacheTest(parameterized.TestCase):
       cache.store_kept(1, keep, (entries[0], entries[1][..., :8]) + entries[2:])
     with self.assertRaisesRegex(ValueError, "keep must be a bool array"):
       cache.store_kept(1, keep.astype(jnp.int32), entries)
+
+
+class GenerationPathTest(parameterized.TestCase):
+  """A tiny random model's chunked generate under backend "pallas" (the kernel, in
+  Pallas' interpreter) keeps what it keeps under "xla" (the jnp reference), and the
+  kernel is what evicts: at every chunk's compression and at decode-time evictions of
+  a token (streaming_llm, h2o: one-shot prefill) or of a page (paged_eviction)."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    import kvjax  # pylint: disable=g-import-not-at-top
+    cls.kvjax = kvjax
+    cls.lm = kvjax.init_random(kvjax.LlamaConfig(
+        vocab_size=97, hidden_size=64, num_layers=2, num_heads=6, num_kv_heads=2, head_dim=16,
+        intermediate_size=128, max_position_embeddings=256, tie_embeddings=False,
+        rope_theta=500.0), seed=3)
+    rng = np.random.default_rng(0)
+    cls.prompts = [rng.integers(0, 97, n).tolist() for n in (90, 41)]
+
+  @parameterized.parameters(("snapkv", dict(window=8)), ("streaming_llm", {}),
+                            ("h2o", dict(recent=8)), ("paged_eviction", dict(page_size=8)))
+  def test_pallas_keeps_what_xla_keeps(self, name, fields):
+    policy = self.kvjax.policies.get(name, **fields)
+    kwargs = dict(policy=policy, budget=32, max_new_tokens=24, stop_ids=[], page_size=8,
+                  prefill_chunk=32 if policy.chunked_prefill else 0)
+    xla = self.kvjax.generate(self.lm, self.prompts, backend="xla", **kwargs)
+    with mock.patch.object(backend_lib, "compact_slots",
+                           wraps=backend_lib.compact_slots) as kernel:
+      pallas = self.kvjax.generate(self.lm, self.prompts, backend="pallas", **kwargs)
+    # Traced into the chunk program and, for decode-time evictions, the decode program.
+    self.assertGreaterEqual(kernel.call_count,
+                            policy.chunked_prefill + policy.evicts_during_decode)
+    np.testing.assert_array_equal(np.asarray(pallas.cache.kept_positions()),
+                                  np.asarray(xla.cache.kept_positions()))
+    self.assertEqual(pallas.token_ids, xla.token_ids)
+    testing.assert_cache_consistent(pallas.cache)
 
 
 class ValidationTest(parameterized.TestCase):

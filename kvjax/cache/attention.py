@@ -46,7 +46,9 @@ PREFILL_BLOCK = causal_attention_lib.PREFILL_BLOCK
 def causal_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, *, block: int = PREFILL_BLOCK
 ) -> jax.Array:
-  """Causal GQA attention over a right-padded prompt: q [B, T, N, H], k, v [B, T, K, H] -> [B, T, N, H].
+  """Causal GQA attention over a right-padded prompt.
+
+  q [B, T, N, H], k, v [B, T, K, H] -> [B, T, N, H].
 
   The ambient backend's ``causal_attention`` op (``kvjax.backend``): on CPU the
   native flash-attention kernel, elsewhere the blockwise XLA form
