@@ -53,7 +53,7 @@ class LanguageModel:
   @property
   def dtype(self):
     """The float dtype of the activations (and of every float weight)."""
-    return self.params["final_norm"]["scale"][...].dtype
+    return jax.tree.leaves(self.params["final_norm"])[0].dtype
 
   @property
   def packed(self) -> bool:

@@ -1,0 +1,159 @@
+"""Every program ``generate`` compiles lowers for GPU (cuda) and TPU, for every policy.
+
+No chip here: each program generate asks for is traced again under
+``kernels.platform.targeting`` (kernels in their compiled form, "auto"
+resolved as it would be on that chip) and lowered with
+``lowering_platforms``; generate itself gets a stand-in program that returns
+zeros of the right shapes, so nothing runs and the weights can stay abstract
+(shapes only: SmolLM2's and Llama-3.2-1B's real widths cost no memory).
+
+The default suite lowers the one-shot prefill and the decode loop of every
+policy under "auto" and "pallas" at SmolLM2's shape; the tests marked slow
+add the chunked prefill, the question appended uncompressed, the recorded
+prompt shared by several runs, and the Llama-3.2-1B shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import kvjax
+from kvjax import policies
+from kvjax.generation import compile as compile_lib
+from kvjax.kernels import platform
+from kvjax.models.llama import Llama
+from kvjax.models.lm import LanguageModel
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# jax's platform name for lowering -> kvjax's target platform, and the text a
+# Pallas kernel leaves in the lowered program.
+TARGETS = {"cuda": ("gpu", "triton"), "tpu": ("tpu", "tpu_custom_call")}
+DELIMITERS = (5, 6, 7)
+# A prompt length that is no power of two and no multiple of the padding.
+PROMPT_TOKENS = 2047
+
+
+def _config(name: str):
+  spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+@functools.cache
+def _abstract_model(config_name: str, scan_layers: bool) -> LanguageModel:
+  """The model with weights as shapes only (jax.ShapeDtypeStruct leaves)."""
+  config = _config(config_name)
+  abstract = nnx.eval_shape(
+      lambda: Llama(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), scan_layers=scan_layers))
+  graphdef, params = nnx.split(abstract)
+  return LanguageModel(config, graphdef, params, None, f"abstract:{config_name}")
+
+
+def _policy(name: str):
+  fields = {f.name for f in dataclasses.fields(type(policies.get(name)))}
+  return policies.get(name, delimiter_ids=DELIMITERS) if "delimiter_ids" in fields \
+      else policies.get(name)
+
+
+class _StandIn:
+  """A compiled program's stand-in: zeros of the program's output shapes."""
+
+  def __init__(self, out_info):
+    self.out_info = out_info
+
+  def __call__(self, *args):
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.out_info)
+
+
+@pytest.fixture
+def lowered(monkeypatch):
+  """Makes generate lower each of its programs for cuda and tpu instead of compiling it.
+
+  Yields the list of (program name, platform, lowered text) in the order lowered.
+  """
+  seen: list[tuple[str, str, str]] = []
+  done: dict = {}
+
+  def lower_instead(fn, args, statics):
+    key = (fn.__name__, tuple(sorted(statics.items(), key=lambda kv: kv[0])),
+           jax.tree.structure(args),
+           tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(args)))
+    if key not in done:
+      program = functools.partial(fn, **statics)
+      for lowering_platform, (target, _) in TARGETS.items():
+        # The kernels' own jit caches key on their arguments, not on the
+        # target: a wrapper traced for one platform would serve the other.
+        jax.clear_caches()
+        with platform.targeting(target):
+          text = jax.jit(program, donate_argnums=(1,)).trace(*args).lower(
+              lowering_platforms=(lowering_platform,)).as_text()
+        seen.append((fn.__name__, lowering_platform, text))
+      done[key] = _StandIn(jax.eval_shape(program, *args))
+    return done[key], 0.0
+
+  monkeypatch.setattr(compile_lib, "compiled", lower_instead)
+  yield seen
+
+
+def _prompt(vocab_size: int) -> list[int]:
+  rng = np.random.default_rng(0)
+  ids = rng.integers(len(DELIMITERS) + 5, vocab_size, PROMPT_TOKENS)
+  ids[rng.random(PROMPT_TOKENS) < 0.08] = DELIMITERS[0]
+  return ids.tolist()
+
+
+def _budget(name: str) -> int | None:
+  return None if name == "full" else 256
+
+
+def _check(seen, programs: set[str], backend: str):
+  """Each program lowered for both platforms; under "pallas" the kernels are in it."""
+  for name in programs:
+    got = {plat for prog, plat, _ in seen if prog == name}
+    assert got == set(TARGETS), f"{name} lowered for {sorted(got)}"
+  if backend == "pallas":
+    for prog, plat, text in seen:
+      if prog in ("decode", "prefill_chunk"):  # paged attention / compaction kernels
+        marker = TARGETS[plat][1]
+        assert marker in text, f"{prog} for {plat} holds no {marker} kernel"
+
+
+@pytest.mark.parametrize("backend", ["auto", "pallas"])
+@pytest.mark.parametrize("name", policies.names())
+def test_prefill_and_decode_lower(lowered, name, backend):
+  lm = _abstract_model("smollm2_135m", scan_layers=True)
+  kvjax.generate(lm, [_prompt(lm.config.vocab_size)], policy=_policy(name), budget=_budget(name),
+                 max_new_tokens=4, backend=backend)
+  _check(lowered, {"prefill", "decode"}, backend)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config_name,scan_layers",
+                         [("smollm2_135m", False), ("llama3_2_1b", False)])
+@pytest.mark.parametrize("backend", ["auto", "pallas"])
+@pytest.mark.parametrize("name", policies.names())
+def test_every_program_lowers(lowered, name, backend, config_name, scan_layers):
+  """Unrolled layers, as GPUs and TPUs run them by default; every program kind."""
+  lm = _abstract_model(config_name, scan_layers)
+  policy, budget = _policy(name), _budget(name)
+  prompt = _prompt(lm.config.vocab_size)
+  kw = dict(max_new_tokens=4, backend=backend)
+  kvjax.generate(lm, [prompt, prompt[:1500]], policy=policy, budget=budget,
+                 questions=[[9, 10, 11]] * 2, query_aware=False, **kw)
+  programs = {"prefill", "extend", "decode"}
+  list(kvjax.generate_each(lm, [prompt], [(policy, budget), ("full", None)], **kw))
+  programs |= {"record", "store"}
+  if policy.chunked_prefill:
+    kvjax.generate(lm, [prompt], policy=policy, budget=budget, prefill_chunk=512, **kw)
+    programs.add("prefill_chunk")
+  _check(lowered, programs, backend)
