@@ -20,7 +20,6 @@ import numpy as np
 
 import kvjax
 from kvjax.cache.attention import Prompt
-from kvjax.policies import blocks
 
 flags.DEFINE_list("lengths", ["4096", "8000"], "Prompt lengths in tokens.")
 flags.DEFINE_integer("budget", 1024, "KV entries per (layer, KV head).")
@@ -57,8 +56,7 @@ def main(_):
     k = jnp.asarray(rng.standard_normal((1, t, cfg.num_kv_heads, cfg.head_dim)), jnp.float32)
     for name in ("sablock", "dynsplit_kv"):
       policy = kvjax.policies.get(name).bind(lm.tokenizer)
-      scores, density = blocks.window_scores(q, k, prompt.lengths, window=policy.window,
-                                             kernel=policy.kernel, group=policy.group)
+      scores, density = policy.scorer.prefix_scores(q, k, prompt.lengths)
       if name == "sablock":
         stage = jax.jit(lambda s, d: policy.plan(s, prompt, FLAGS.budget, FLAGS.budget).keep)
       else:
