@@ -6,6 +6,7 @@ Used by ``kvjax.eval`` and ``kvjax.bench`` (the library itself never imports it)
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Callable
 
@@ -14,6 +15,9 @@ from absl import flags
 
 from kvjax import backend
 from kvjax import runtime
+
+# "0" skips kvjax.runtime.setup() in the tools.
+RUNTIME_SETUP_ENV = "KVJAX_RUNTIME_SETUP"
 
 
 def fail(message: str) -> None:
@@ -39,10 +43,13 @@ def run(main: Callable) -> None:
   """``app.run(main)`` with a bad flag reported by ``fail``, not a usage dump.
 
   The tool's process is set up first (``kvjax.runtime.setup``): its peak
-  memory is what it holds. ``--backend=native`` where the C++ kernels do not
-  build is a bad flag too: its reason on one line.
+  memory is what it holds. ``KVJAX_RUNTIME_SETUP=0`` in the environment leaves
+  the process as it is (to measure what the setup changes; the bench's
+  child processes inherit it). ``--backend=native`` where the C++ kernels do
+  not build is a bad flag too: its reason on one line.
   """
-  runtime.setup()
+  if os.environ.get(RUNTIME_SETUP_ENV, "1") != "0":
+    runtime.setup()
   try:
     app.run(main, flags_parser=_parse_flags)
   except backend.NativeUnavailable as e:

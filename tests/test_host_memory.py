@@ -187,3 +187,15 @@ def _arenas(mode: str) -> int:
 def test_single_arena_keeps_every_thread_on_the_main_heap():
   assert _arenas("default") > 1  # glibc's default: the threads' arenas of their own
   assert _arenas("single") == 1
+
+
+@pytest.mark.parametrize("env,calls", [("1", 1), ("0", 0)])
+def test_the_tools_set_up_the_process_unless_told_not_to(monkeypatch, env, calls):
+  from kvjax import cli, runtime  # pylint: disable=g-import-not-at-top
+  made = []
+  monkeypatch.setenv(cli.RUNTIME_SETUP_ENV, env)
+  monkeypatch.setattr(runtime, "setup", lambda: made.append(True))
+  monkeypatch.setattr(sys, "argv", ["tool"])
+  with pytest.raises(SystemExit):
+    cli.run(lambda argv: sys.exit(0))
+  assert len(made) == calls
