@@ -15,9 +15,8 @@ import jax.numpy as jnp
 
 from kvjax.kernels import platform
 
-# Tokens per query and key block of the prefill's causal attention. On a 2-core
-# CPU, 512 prefilled SmolLM2 12-17% faster than 256 at 4K-8K tokens, with the
-# same scratch memory (docs/results/vs_kvpress.md).
+# Tokens per query and key block of the prefill's causal attention: the faster
+# of the sizes timed on a CPU, at the same scratch memory (docs/results/vs_kvpress.md).
 PREFILL_BLOCK = 512
 
 

@@ -87,8 +87,8 @@ class DecoderLayer(nnx.Module):
     self.config = c
     self.attn_norm = RMSNorm(d, c.rms_norm_eps, dtype=dtype)
     # q, k and v side by side in one matrix, and gate beside up: a layer's
-    # weights are read in 4 products instead of 7. On a 2-core CPU a one-token
-    # SmolLM2 forward took 10-12% less time. Checkpoints keep the parts apart
+    # weights are read in 4 products instead of 7 (docs/results/README.md,
+    # "Design choices"). Checkpoints keep the parts apart
     # (kvjax.models.lm.build_params joins them).
     self.wqkv = _dense(rngs, d, (n + 2 * k) * h, dtype)
     self.wo = _dense(rngs, n * h, d, dtype)
@@ -191,8 +191,8 @@ class Llama(nnx.Module):
     if quantized.is_packed(table):  # [V, R] rows either way
       return backend_lib.get("quantized_matmul")(hidden, table)
     if self.config.tie_embeddings:
-      # Contract the embedding's own D axis. Written as embed.T, XLA:CPU
-      # transposed the [V, D] matrix inside the product: 7.7 ms of a SmolLM2
-      # decode step on a 2-core CPU, against 6.3 ms in this form.
+      # Contract the embedding's own D axis: written as embed.T, XLA:CPU
+      # transposes the [V, D] matrix inside the product (docs/results/README.md,
+      # "Design choices").
       return jnp.einsum("...d,vd->...v", hidden, table, preferred_element_type=jnp.float32)
     return jnp.einsum("...d,dv->...v", hidden, table, preferred_element_type=jnp.float32)
