@@ -12,7 +12,9 @@ compiled programs by the name); ``get(op)`` returns ``op``'s implementation
 for it, resolving ``"auto"`` per op (``resolve``). Outside ``use`` it is
 ``"xla"``.
 
-  "auto"    per (platform, op), what a committed measurement showed fastest
+  "auto"    per (platform, op), what a measurement showed fastest: this device
+            kind's, written by ``python -m kvjax.bench --preset=accelerator``
+            into the cache folder, else the committed table's
             (``kvjax.backend_choices``), XLA where nothing was measured; the
             CPU's native kernels only where they build (any failure to build
             or cache them, a compiler's or the cache folder's, warns once and
@@ -127,6 +129,11 @@ _OPS: dict[str, dict[str, Callable]] = {
 def ops() -> list[str]:
   """Names of the registered ops."""
   return sorted(_OPS)
+
+
+def implementations(op: str) -> dict[str, Callable]:
+  """``op``'s registered implementations by name ("xla", "pallas", "native", "fused")."""
+  return dict(_OPS[op])
 
 
 def register(op: str, backend: str, fn: Callable) -> None:

@@ -1,17 +1,23 @@
-"""Tests for kvjax.backend: one ambient switch, "auto" per op from a table of measurements."""
+"""Tests for kvjax.backend: one ambient switch, "auto" per op from measurements (this device
+kind's file, then the committed table)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from unittest import mock
+import warnings
 
+import jax
 import pytest
 
 from kvjax import backend as backend_lib
 from kvjax import backend_choices
+from kvjax import paths
 from kvjax.kernels import native
+from kvjax.kernels import platform as platform_lib
 
 
 @pytest.fixture
@@ -115,3 +121,108 @@ def test_no_compiler_falls_back_under_auto_and_explains_when_forced(tmp_path):
                  CXX=str(tmp_path / "no-such-compiler"))
   assert lines[0] == "['xla', 'xla'] 1"
   assert "no-such-compiler" in lines[1] and "does not run" in lines[1]
+
+
+# ------------------------------------------------------------------ measured choices
+
+
+@pytest.fixture
+def measured_dir(tmp_path, monkeypatch):
+  """A fresh cache folder, and the measured choices read again from it."""
+  monkeypatch.setenv(paths.CACHE_ENV, str(tmp_path))
+  backend_choices.forget_measured()
+  yield tmp_path
+  backend_choices.forget_measured()
+
+
+def _kind() -> str:
+  return jax.devices()[0].device_kind
+
+
+def _entry(platform="cpu", **seconds) -> dict:
+  return backend_choices.measured_entry([{"shape": "toy", "seconds": seconds}],
+                                        platform=platform, command="a test")
+
+
+def _write(entries, kind=None, platform="cpu"):
+  kind = kind or _kind()
+  return backend_choices.write_measured(backend_choices.measured_path(kind), kind, platform,
+                                        entries)
+
+
+def test_the_faster_eligible_implementation_is_measured_best():
+  assert _entry(xla=2e-3, fused=1e-3)["backend"] == "fused"
+  assert _entry(xla=1e-3, fused=1e-3)["backend"] == "xla"  # a tie: the reference
+  assert _entry(xla=2e-3, pallas=1e-3)["backend"] == "xla"  # a CPU's Pallas: the interpreter
+  assert _entry("gpu", xla=2e-3, pallas=1e-3)["backend"] == "pallas"
+  assert _entry("gpu", xla=2e-3, pallas=None)["backend"] == "xla"  # failed: not a candidate
+  assert _entry("gpu", pallas=None) is None
+  # Over shapes: the smallest geometric mean (xla 2 ms, pallas 1.73 ms).
+  timings = [{"shape": "a", "seconds": {"xla": 1.0, "pallas": 2.0}},
+             {"shape": "b", "seconds": {"xla": 4.0, "pallas": 1.5}}]
+  entry = backend_choices.measured_entry(timings, platform="gpu", command="c")
+  assert entry["backend"] == "pallas" and entry["timings"] == timings
+  assert entry["jax_version"] == jax.__version__ and entry["command"] == "c"
+  assert len(entry["date"]) == 10
+
+
+def test_a_measured_file_decides_auto_for_its_device_kind(measured_dir):
+  path = _write({"causal_attention": _entry(xla=2e-3, fused=1e-3)})
+  assert path == measured_dir / "auto" / f"{backend_choices.device_slug(_kind())}.json"
+  assert backend_choices.device_slug("NVIDIA H200") == "nvidia-h200"
+  doc = json.loads(path.read_text())
+  assert (doc["format"], doc["device_kind"], doc["platform"]) == (1, _kind(), "cpu")
+  assert backend_lib.resolve("auto", "causal_attention") == "fused"
+  with backend_lib.use("auto"):
+    assert backend_lib.get("causal_attention") is backend_lib.implementations(
+        "causal_attention")["fused"]
+  why = backend_choices.auto_choice("cpu", "causal_attention").why
+  assert "xla 2 ms, fused 1 ms" in why and str(path) in why
+  # Ops the file does not name: the table, where unmeasured pairs are XLA.
+  table = backend_choices.AUTO_CHOICES
+  assert backend_choices.auto_choice("cpu", "paged_attention") == table["cpu", "paged_attention"]
+  assert backend_choices.auto_choice("cpu", "window_scores") == backend_choices.NOT_MEASURED
+  # Another platform (a program built for a chip this machine lacks) never reads it.
+  assert backend_choices.auto_choice("gpu", "causal_attention") == backend_choices.NOT_MEASURED
+  with platform_lib.targeting("gpu"):
+    assert backend_lib.resolve("auto", "causal_attention") == "xla"
+  # A new measurement merges with the file and overrides the table; read again when told.
+  _write({"paged_attention": _entry(xla=1e-3, pallas=2e-3)})
+  assert backend_choices.auto_choice("cpu", "paged_attention") == table["cpu", "paged_attention"]
+  backend_choices.forget_measured()
+  assert backend_choices.auto_choice("cpu", "paged_attention").backend == "xla"
+  assert backend_lib.resolve("auto", "paged_attention") == "xla"  # not native, as measured
+  assert backend_lib.resolve("auto", "causal_attention") == "fused"
+
+
+@pytest.mark.parametrize("content", [
+    "{not json", "[]", '{"format": 2, "ops": {}}',
+    lambda kind: {"format": 1, "device_kind": "other chip", "platform": "cpu", "ops": {}},
+    lambda kind: {"format": 1, "device_kind": kind, "platform": "cpu",
+                  "ops": {"paged_attention": {"backend": "pallas", "timings": [],
+                                              "jax_version": "0", "date": "d",
+                                              "command": "c"}}},
+    lambda kind: {"format": 1, "device_kind": kind, "platform": "cpu",
+                  "ops": {"causal_attention": {"backend": "fused"}}},
+], ids=["json", "list", "format", "device_kind", "interpreter", "entry"])
+def test_a_bad_measured_file_warns_once_and_leaves_the_table(measured_dir, content):
+  path = backend_choices.measured_path(_kind())
+  path.parent.mkdir(parents=True)
+  path.write_text(content if isinstance(content, str) else json.dumps(content(_kind())))
+  table = backend_choices.AUTO_CHOICES
+  with pytest.warns(UserWarning, match="ignoring the measured auto choices") as seen:
+    for _ in range(2):
+      assert backend_choices.auto_choice("cpu", "paged_attention") == table["cpu",
+                                                                            "paged_attention"]
+      assert backend_choices.auto_choice("cpu", "causal_attention") == table["cpu",
+                                                                             "causal_attention"]
+  assert len(seen) == 1
+
+
+def test_without_a_measured_file_auto_is_the_table_quietly(measured_dir):
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for op in backend_lib.ops():
+      want = backend_choices.AUTO_CHOICES.get(("cpu", op), backend_choices.NOT_MEASURED)
+      assert backend_choices.auto_choice("cpu", op) == want
+  assert not (measured_dir / "auto").exists()
