@@ -8,8 +8,12 @@ import json
 import subprocess
 import sys
 
+import jax
 import pytest
 
+from kvjax import backend
+from kvjax import backend_choices
+from kvjax import paths
 from kvjax.bench import accelerator
 from kvjax.bench import runner
 
@@ -19,7 +23,7 @@ TIMED = ("value", "unit", "seconds", "bytes", "flops", "floor_s", "floor", "floo
          "of_floor")
 
 
-def test_small_preset_writes_every_section(tmp_path):
+def test_small_preset_writes_every_section(tmp_path, monkeypatch):
   proc = subprocess.run(
       [sys.executable, "-m", "kvjax.bench", "--preset=accelerator", f"--out={tmp_path}"],
       capture_output=True, text=True, timeout=900)
@@ -34,8 +38,13 @@ def test_small_preset_writes_every_section(tmp_path):
       assert all(f in r for f in TIMED), r
       assert r["value"] > 0 and r["seconds"] > 0 and r["bytes"] > 0 and r["flops"] > 0
       assert r["floor"] is None  # a CPU is not in SPECS
+  # Every implementation per op (native CPU kernels take only float32), auto last.
   kernel = [r["impl"] for r in rows if r["section"] == "kernel"]
-  assert kernel == ["xla", "pallas", kernel[2], "dense sdpa"] and kernel[2].startswith("auto (")
+  assert kernel[:3] + kernel[4:6] == ["xla", "pallas", "dense sdpa", "xla", "fused"], kernel
+  assert len(kernel) == 7 and kernel[3].startswith("auto (") and kernel[6].startswith("auto (")
+  prompt = [r for r in rows if r["section"] == "kernel" and "causal prompt" in r["label"]]
+  assert {r["unit"] for r in prompt} == {"TFLOP/s"}
+  _check_choices(tmp_path, proc.stdout, monkeypatch)
   decode = [(r["policy"], r["backend"]) for r in rows if r["section"] == "decode"]
   assert decode == [(p, b) for p in ("full", "snapkv") for b in ("xla", "pallas", "auto")]
   assert [r["batch_size"] for r in rows if r["section"] == "throughput"] == [1, 2]
@@ -49,6 +58,58 @@ def test_small_preset_writes_every_section(tmp_path):
     assert f"## {title}" in summary and f"## {title}" in proc.stdout
   assert "not run" not in summary and "| snapkv @ 48 | pallas vs xla | yes | 4 |" in summary
   assert "] decode     1,024 tokens, full cache | pallas | " in proc.stdout  # progress lines
+
+
+def _check_choices(out, stdout, monkeypatch):
+  """The run's auto_choices.json: per op the faster eligible implementation, with its
+  figures; not installed at small scale, and deciding "auto" once installed."""
+  choices = out / "auto_choices.json"
+  assert f"written to {choices}; not installed" in stdout
+  assert "('cpu', 'causal_attention'): Choice(" in stdout
+  doc = json.loads(choices.read_text())
+  assert (doc["format"], doc["device_kind"], doc["platform"]) == (1, "cpu", "cpu")
+  assert set(doc["ops"]) == {"paged_attention", "causal_attention"}
+  for op, entry in doc["ops"].items():
+    (timing,) = entry["timings"]
+    seconds = timing["seconds"]
+    assert set(seconds) == set(accelerator.implementations(op, jax.numpy.bfloat16))
+    best = min((s, n) for n, s in seconds.items() if n != "pallas")[1]  # no interpreter
+    assert entry["backend"] == best, entry
+    assert entry["jax_version"] == jax.__version__
+    assert entry["command"].endswith("--scale=small")
+  # Installed as this device kind's measured choices, they decide "auto".
+  monkeypatch.setenv(paths.CACHE_ENV, str(out / "cache"))
+  backend_choices.forget_measured()
+  try:
+    installed = backend_choices.measured_path("cpu")
+    installed.parent.mkdir(parents=True)
+    installed.write_text(choices.read_text())
+    for op, entry in doc["ops"].items():
+      assert backend_choices.auto_choice("cpu", op).backend == entry["backend"]
+      assert backend.resolve("auto", op) == entry["backend"]  # xla or fused: no native build
+  finally:
+    backend_choices.forget_measured()
+
+
+def test_table_lines_are_the_measured_choice_in_python():
+  timings = [{"shape": "B=8 K=8 G=4 H=64, 32,768 slots, bfloat16",
+              "seconds": {"xla": 2.5e-4, "pallas": 0.9e-4}},
+             {"shape": "B=1 K=8 G=4 H=64, 32,768 slots, bfloat16",
+              "seconds": {"xla": 1e-4, "pallas": None}}]
+  entry = backend_choices.measured_entry(timings[:1], platform="gpu", command="cmd")
+  entries = {"paged_attention": entry,
+             "causal_attention": {**entry, "backend": "fused", "timings": timings}}
+  lines = accelerator.table_lines("NVIDIA H200", "gpu", entries)
+  assert max(len(l) for l in lines) <= 100
+  source = "{" + "\n".join(lines) + "}"
+  table = eval(source, {"Choice": backend_choices.Choice})  # pylint: disable=eval-used
+  assert table == {
+      ("gpu", op): backend_choices.Choice(e["backend"],
+                                          backend_choices.why_measured("NVIDIA H200", e))
+      for op, e in entries.items()}
+  why = table["gpu", "causal_attention"].why
+  assert why.startswith(f"NVIDIA H200, jax {jax.__version__}, {entry['date']}, `cmd`: B=8")
+  assert "xla 0.25 ms, pallas 0.09 ms; B=1" in why and "pallas failed" in why
 
 
 @pytest.mark.parametrize("kind, name", [

@@ -5,10 +5,12 @@ r"""One command for a GPU or TPU: kvjax's speed against the chip's physical floo
 
 On the random Llama-3.2-1B shape (configs/llama3_2_1b.py, bfloat16 weights
 from ``kvjax.models.lm.init_random``: nothing is downloaded), five sections:
-  kernel      paged decode attention bytes/s: the XLA reference, the Pallas
-              kernel, what "auto" picks, and dense ``jax.nn.dot_product_attention``
-              on the same keys and values as a yardstick (B=8 K=8 G=4 H=64,
-              32K slots; and B=1)
+  kernel      per op, every registered implementation that runs here, then
+              what "auto" picks: paged decode attention bytes/s (B=8 K=8 G=4
+              H=64, 32K slots; and B=1; dense ``jax.nn.dot_product_attention``
+              on the same keys and values as a yardstick) and a prompt's causal
+              attention TFLOP/s (32K tokens, Llama-3.2-1B's heads); the faster
+              implementation per op becomes "auto"'s choice (below)
   decode      ms per decode step, batch 1, full cache vs snapkv at budget 1024,
               at 32K and 128K tokens, backends xla, pallas and auto (caches
               filled with synthetic keys and values, ``runner.synthetic_cache``)
@@ -22,6 +24,15 @@ Each timing follows a warm-up call and ends with ``jax.block_until_ready``.
 Each row goes to --out/results.jsonl as soon as it is measured (a run cut
 short keeps what it measured) with a progress line; a failure (out of memory,
 a lowering error) is a row with its error. --out/summary.md holds the tables.
+
+The kernel section writes, per op, the implementation with the smallest
+geometric mean of its times over the op's shapes (among those "auto" may run:
+not Pallas' interpreter) with every timing, the shapes, jax's version and the
+date to --out/auto_choices.json. At full scale on a GPU or TPU it also installs
+them as this device kind's measured choices
+(``kvjax.backend_choices.measured_path``), which "auto" then reads before the
+committed table, later sections included; and it prints the entries to paste
+into ``kvjax.backend_choices.AUTO_CHOICES`` to commit the measurement.
 
 The floor of a row is max(bytes moved / HBM bandwidth, FLOPs / bf16 peak),
 with the chip's figures from ``SPECS`` (by ``jax.devices()[0].device_kind``;
@@ -42,12 +53,15 @@ import pathlib
 import re
 import statistics
 import sys
+import textwrap
 import time
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from kvjax import backend_choices
 
 SECTIONS = ("kernel", "decode", "throughput", "prefill", "equality")
 TITLES = {
@@ -102,6 +116,7 @@ class Scale:
   equality_model: str
   dtype: str
   kernel_shapes: tuple[tuple[int, int, int, int, int], ...]  # (B, K, G, H, slots)
+  prompt_shapes: tuple[tuple[int, int, int, int, int], ...]  # (B, T, N, K, H), causal
   contexts: tuple[int, ...]  # decode section
   budget: int
   decode_steps: int
@@ -120,6 +135,7 @@ class Scale:
 
 FULL = Scale("full", "llama3_2_1b", "smollm2_135m", "bfloat16",
              kernel_shapes=((8, 8, 4, 64, 32768), (1, 8, 4, 64, 32768)),
+             prompt_shapes=((1, 32768, 32, 8, 64),),  # Llama-3.2-1B's heads
              contexts=(32768, 131072), budget=1024, decode_steps=16, repeats=2,
              throughput_context=32768, batches=(16, 64, 256), prefill_length=32768,
              prefill_chunk=4096, equality_prompt=1531, equality_budget=256,
@@ -129,6 +145,7 @@ FULL = Scale("full", "llama3_2_1b", "smollm2_135m", "bfloat16",
 # equality run of the full cache and one compressing policy (window scores,
 # compaction).
 SMALL = Scale("small", "tiny", "tiny", "bfloat16", kernel_shapes=((2, 2, 2, 64, 1024),),
+              prompt_shapes=((1, 256, 4, 2, 64),),
               contexts=(1024,), budget=128, decode_steps=3, repeats=1,
               throughput_context=1024, batches=(1, 2), prefill_length=256,
               prefill_chunk=128, equality_prompt=150, equality_budget=48,
@@ -179,6 +196,7 @@ class Recorder:
     self.file = self.path.open("w")
     self.context = context
     self.rows: list[dict] = []
+    self.notes: list[str] = []  # markdown lines for the end of summary.md
     self.start = time.perf_counter()
 
   def add(self, section: str, label: str, impl: str, **fields) -> dict:
@@ -256,40 +274,189 @@ def _backend_label(name: str, op: str = "paged_attention") -> str:
 # ------------------------------------------------------------------ sections
 
 
-def kernel_section(rec: Recorder, scale: Scale, spec: DeviceSpec | None) -> None:
-  """Paged decode attention bytes/s per implementation, every head holding all its slots."""
+COMMAND = "python -m kvjax.bench --preset=accelerator"
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCase:
+  """One shape of an op: its inputs and what a call moves and computes."""
+
+  label: str
+  args: tuple
+  nbytes: float
+  flops: float
+  unit: str
+  to_value: Callable[[float], float]  # seconds -> the row's value
+
+
+def paged_case(shape: tuple[int, ...], dtype, page_size: int) -> KernelCase:
+  """Paged decode attention, every head holding all its slots: (B, K, G, H, S)."""
+  b, kh, g, h, s = shape
+  p_max = s // page_size
+  num_pages = b * kh * p_max
+  kq, kk, kv, kp = jax.random.split(jax.random.key(0), 4)
+  q = jax.random.normal(kq, (b, kh * g, h), dtype)
+  k_pages = jax.random.normal(kk, (num_pages, page_size, h), dtype)
+  v_pages = jax.random.normal(kv, (num_pages, page_size, h), dtype)
+  table = jax.random.permutation(kp, num_pages).astype(jnp.int32).reshape(b, kh, p_max)
+  lengths = jnp.full((b, kh), s, jnp.int32)
+  nbytes = 2 * b * kh * s * h * dtype.itemsize + 2 * q.nbytes  # keys, values; q, out
+  return KernelCase(f"B={b} K={kh} G={g} H={h}, {s:,} slots, {dtype.name}",
+                    (q, k_pages, v_pages, table, lengths), nbytes,
+                    4 * b * kh * g * s * h,  # q.k and p.v
+                    "GB/s", lambda t: nbytes / t / 1e9)
+
+
+def prompt_case(shape: tuple[int, ...], dtype, page_size: int = 0) -> KernelCase:
+  """A prompt's causal attention: (B, T, N, K, H)."""
+  del page_size
+  b, t, n, kh, h = shape
+  kq, kk, kv = jax.random.split(jax.random.key(1), 3)
+  q = jax.random.normal(kq, (b, t, n, h), dtype)
+  k = jax.random.normal(kk, (b, t, kh, h), dtype)
+  v = jax.random.normal(kv, (b, t, kh, h), dtype)
+  flops = 4 * b * n * h * t * (t + 1) // 2  # the causal half of q.k and p.v
+  return KernelCase(f"B={b} T={t:,} N={n} K={kh} H={h}, causal prompt, {dtype.name}",
+                    (q, k, v), (2 * n + 2 * kh) * b * t * h * dtype.itemsize,  # q, out; k, v
+                    flops, "TFLOP/s", lambda s: flops / s / 1e12)
+
+
+def implementations(op: str, dtype) -> list[str]:
+  """The registered implementations of ``op`` timed here: all but the native CPU
+  kernels where they do not run (off a CPU, or not built), or run the reference
+  (any dtype but float32)."""
+  from kvjax import backend
+  names = []
+  for name in backend.implementations(op):
+    if name == "native" and not (jax.default_backend() == "cpu" and dtype == jnp.float32
+                                 and backend.native_available()):
+      continue
+    names.append(name)
+  return names
+
+
+def _time_row(rec: Recorder, scale: Scale, spec, case: KernelCase, impl: str, fn,
+              args: tuple) -> float | None:
+  """Times ``fn(*args)``, adds the row; the seconds, None when it failed."""
+  try:
+    seconds = time_call(fn, args, max(3, 5 * scale.repeats))
+  except Exception as e:  # pylint: disable=broad-except
+    rec.add("kernel", case.label, impl, **failure(e))
+    return None
+  rec.add("kernel", case.label, impl, value=case.to_value(seconds), unit=case.unit,
+          seconds=seconds,
+          **floor_fields(spec, seconds, case.nbytes, case.flops, case.to_value))
+  return seconds
+
+
+def _dense_sdpa_row(rec: Recorder, scale: Scale, spec, case: KernelCase) -> None:
+  """Paged attention's yardstick: the same keys and values contiguous, ``[B, S, K, H]``."""
+  q, k_pages, v_pages, table, _ = case.args
+  b, kh, p_max = table.shape
+  s, h = p_max * k_pages.shape[1], k_pages.shape[2]
+  try:
+    dense = lambda pages: pages[table].reshape(b, kh, s, h).transpose(0, 2, 1, 3)
+    args = (q, dense(k_pages), dense(v_pages))
+  except Exception as e:  # pylint: disable=broad-except
+    rec.add("kernel", case.label, "dense sdpa", **failure(e))
+    return
+  sdpa = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q[:, None], k, v)[:, 0])
+  _time_row(rec, scale, spec, case, "dense sdpa", sdpa, args)
+
+
+def measure_op(rec: Recorder, scale: Scale, spec, op: str, shapes, make_case,
+               yardstick=None) -> dict | None:
+  """Times every implementation of ``op`` at each shape; "auto"'s measured entry
+  (``backend_choices.measured_entry``), None when no eligible one ran at every shape."""
   from kvjax import backend
   dtype = jnp.dtype(scale.dtype)
-  for b, kh, g, h, s in scale.kernel_shapes:
-    label = f"B={b} K={kh} G={g} H={h}, {s:,} slots, {dtype.name}"
-    ps = scale.page_size
-    p_max = s // ps
-    num_pages = b * kh * p_max
-    kq, kk, kv, kp = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(kq, (b, kh * g, h), dtype)
-    k_pages = jax.random.normal(kk, (num_pages, ps, h), dtype)
-    v_pages = jax.random.normal(kv, (num_pages, ps, h), dtype)
-    table = jax.random.permutation(kp, num_pages).astype(jnp.int32).reshape(b, kh, p_max)
-    lengths = jnp.full((b, kh), s, jnp.int32)
-    nbytes = 2 * b * kh * s * h * dtype.itemsize + 2 * q.nbytes  # keys, values; q, out
-    flops = 4 * b * kh * g * s * h  # q.k and p.v
-    impls = [(name, jax.jit(backend.get("paged_attention", name)),
-              (q, k_pages, v_pages, table, lengths)) for name in ("xla", "pallas", "auto")]
-    # The same entries, contiguous per sequence: [B, S, K, H].
-    dense = lambda pages: pages[table].reshape(b, kh, s, h).transpose(0, 2, 1, 3)
-    sdpa = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q[:, None], k, v)[:, 0])
-    impls.append(("dense sdpa", sdpa, None))
-    for name, fn, args in impls:
-      try:
-        if args is None:
-          args = (q, dense(k_pages), dense(v_pages))
-        seconds = time_call(fn, args, max(3, 5 * scale.repeats))
-        rec.add("kernel", label, _backend_label(name), value=nbytes / seconds / 1e9,
-                unit="GB/s", seconds=seconds,
-                **floor_fields(spec, seconds, nbytes, flops, lambda t: nbytes / t / 1e9))
-      except Exception as e:  # pylint: disable=broad-except
-        rec.add("kernel", label, _backend_label(name), **failure(e))
-      del args
+  impls = backend.implementations(op)
+  names = implementations(op, dtype)
+  timings = []
+  for shape in shapes:
+    case = make_case(shape, dtype, scale.page_size)
+    seconds = {name: _time_row(rec, scale, spec, case, name, jax.jit(impls[name]), case.args)
+               for name in names}
+    if yardstick is not None:
+      yardstick(rec, scale, spec, case)
+    timings.append({"shape": case.label, "seconds": seconds})
+    del case
+  return backend_choices.measured_entry(timings, platform=jax.default_backend(),
+                                        command=f"{COMMAND} --scale={scale.name}")
+
+
+def kernel_section(rec: Recorder, scale: Scale, spec: DeviceSpec | None,
+                   choices: pathlib.Path | None = None, install: bool = False) -> dict:
+  """Per op, every implementation's speed, then "auto"'s choice and what "auto" runs.
+
+  The choices go to ``choices`` (when given) and, with ``install``, to this
+  device kind's measured-choices file, before "auto" is timed: its rows (and
+  later sections') show the new choice. Returns op -> measured entry.
+  """
+  from kvjax import backend
+  kind, platform = jax.devices()[0].device_kind, jax.default_backend()
+  ops = (("paged_attention", scale.kernel_shapes, paged_case, _dense_sdpa_row),
+         ("causal_attention", scale.prompt_shapes, prompt_case, None))
+  entries = {}
+  for op, shapes, make_case, yardstick in ops:
+    entry = measure_op(rec, scale, spec, op, shapes, make_case, yardstick)
+    if entry is not None:
+      entries[op] = entry
+      _save_choices(rec, kind, platform, entries, choices, install)
+    for shape in shapes:
+      case = make_case(shape, jnp.dtype(scale.dtype), scale.page_size)
+      _time_row(rec, scale, spec, case, _backend_label("auto", op),
+                jax.jit(backend.get(op, "auto")), case.args)
+  _report_choices(rec, kind, platform, entries, choices, install)
+  return entries
+
+
+def _save_choices(rec, kind, platform, entries, choices, install) -> None:
+  """Writes the choices measured so far to ``choices`` and, with ``install``, for "auto"."""
+  try:
+    if choices is not None:
+      backend_choices.write_measured(choices, kind, platform, entries, merge=False)
+    if install:
+      backend_choices.write_measured(backend_choices.measured_path(kind), kind, platform,
+                                     entries)
+      backend_choices.forget_measured()
+  except OSError as e:
+    rec.notes.append(f"Writing the auto choices failed: {type(e).__name__}: {e}")
+    print(f"kvjax: writing the auto choices failed: {e}", file=sys.stderr, flush=True)
+
+
+def table_lines(kind: str, platform: str, entries: dict[str, dict]) -> list[str]:
+  """``AUTO_CHOICES`` entries (Python source) for the measured ops."""
+  lines = []
+  for op, entry in entries.items():
+    why = backend_choices.why_measured(kind, entry)
+    pieces = textwrap.wrap(why, 76, drop_whitespace=False, break_long_words=False)
+    lines += [f"    ({platform!r}, {op!r}): Choice(", f"        {entry['backend']!r},"]
+    lines += [f"        {piece!r}" for piece in pieces[:-1]]
+    lines.append(f"        {pieces[-1]!r}),")
+  return lines
+
+
+def _report_choices(rec, kind, platform, entries, choices, install) -> None:
+  """Prints (and notes for summary.md) where the choices went and the lines to commit."""
+  if not entries:
+    rec.notes.append("No auto choices: no implementation ran at every shape of an op.")
+    return
+  where = [f"written to {choices}"] if choices is not None else []
+  if install:
+    where.append(f"installed for {kind} in {backend_choices.measured_path(kind)} "
+                 "(\"auto\" reads it on this device kind)")
+  else:
+    # A CPU's committed choices rest on float32 native kernels, which this
+    # bfloat16 run does not time; a small scale's shapes are toys.
+    where.append("not installed for \"auto\" (only a full-scale run on a GPU or TPU is)")
+  picks = ", ".join(f"{op}: {e['backend']}" for op, e in entries.items())
+  lines = [f"Auto choices measured on {kind} ({picks}): " + "; ".join(where) + ".",
+           "To commit them, put these entries in `AUTO_CHOICES` "
+           "(kvjax/backend_choices.py):", "", "```python",
+           *table_lines(kind, platform, entries), "```"]
+  rec.notes += lines
+  print("\n".join(lines), flush=True)
 
 
 def _decode_row(rec, section, label, impl, lm, cfg, spec, to_value, unit) -> dict:
@@ -376,11 +543,11 @@ def prefill_section(rec: Recorder, scale: Scale, spec, lm) -> None:
       best = min((generation.generate(lm, [prompt], **kwargs).stats
                   for _ in range(scale.repeats)), key=lambda s: s.prefill_s)
     except Exception as e:  # pylint: disable=broad-except
-      rec.add("prefill", label, _backend_label("auto"), **failure(e))
+      rec.add("prefill", label, _backend_label("auto", "causal_attention"), **failure(e))
       continue
     seconds = best.prefill_s
-    rec.add("prefill", label, _backend_label("auto"), value=seconds, unit="s",
-            seconds=seconds, policy=policy, budget=budget, prefill_chunk=chunk,
+    rec.add("prefill", label, _backend_label("auto", "causal_attention"), value=seconds,
+            unit="s", seconds=seconds, policy=policy, budget=budget, prefill_chunk=chunk,
             compile_s=first.compile_s, kv_bytes=best.kv_bytes,
             **floor_fields(spec, seconds, nbytes, flops, lambda s: s))
 
@@ -436,12 +603,18 @@ def _cell(row: dict, key: str, unit: str = "") -> str:
   return fmt(row.get(key)) + (f" {unit}" if unit and row.get(key) is not None else "")
 
 
-def summary_markdown(rows: list[dict], header: list[str], sections=SECTIONS) -> str:
-  """A table per section (rows in measuring order), under ``header``'s lines."""
+def summary_markdown(rows: list[dict], header: list[str], sections=SECTIONS,
+                     notes: list[str] = ()) -> str:
+  """A table per section (rows in measuring order, a label's rows together) under
+  ``header``'s lines, then ``notes``."""
   lines = list(header)
   for section in SECTIONS:
     lines += ["", f"## {TITLES[section]}", ""]
     these = [r for r in rows if r["section"] == section]
+    first = {}
+    for i, r in enumerate(these):
+      first.setdefault(r["label"], i)
+    these.sort(key=lambda r: first[r["label"]])  # a shape's rows together (auto comes last)
     if not these:
       lines.append("not run" if section not in sections else "no rows (see the log)")
       continue
@@ -461,9 +634,13 @@ def summary_markdown(rows: list[dict], header: list[str], sections=SECTIONS) -> 
     for r in these:
       note = (f"{r['status'].upper()}: {r['error'][:160]}" if r["status"] != "ok"
               else f"{r['floor_bound']}-bound" if r.get("floor_bound") else "")
+      if section == "kernel" and r["status"] == "ok":
+        note = ", ".join(filter(None, [f"{fmt(1e3 * r['seconds'])} ms", note]))
       lines.append(f"| {r['label']} | {r['impl']} | {_cell(r, 'value', r.get('unit', ''))} | "
                    f"{_cell(r, 'floor', r.get('unit', ''))} | {_cell(r, 'of_floor')} | "
                    f"{note} |")
+  if notes:
+    lines += ["", "## What auto runs", "", *notes]
   return "\n".join(lines) + "\n"
 
 
@@ -492,11 +669,15 @@ def _header(kind: str, spec: DeviceSpec | None, scale: Scale, scan_layers: bool,
 
 
 def run(out: str | pathlib.Path = "results/accelerator", *, scale: str = "auto",
-        sections=SECTIONS, scan_layers: bool | None = None) -> list[dict]:
-  """Runs the chosen sections; writes results.jsonl and summary.md in ``out``; returns rows.
+        sections=SECTIONS, scan_layers: bool | None = None,
+        install: bool | None = None) -> list[dict]:
+  """Runs the chosen sections; writes results.jsonl, summary.md and (kernel section)
+  auto_choices.json in ``out``; returns rows.
 
   ``scan_layers``: the models' layer layout (None: the device's default,
-  ``kvjax.models.llama.default_scan_layers``).
+  ``kvjax.models.llama.default_scan_layers``). ``install``: whether the kernel
+  section's choices become this device kind's measured choices for "auto"
+  (None: at full scale off a CPU).
   """
   unknown = sorted(set(sections) - set(SECTIONS))
   if unknown:
@@ -508,6 +689,8 @@ def run(out: str | pathlib.Path = "results/accelerator", *, scale: str = "auto",
   out = pathlib.Path(out)
   kind = jax.devices()[0].device_kind
   spec = device_spec(kind)
+  if install is None:
+    install = sc.name == "full" and jax.default_backend() != "cpu"
   rec = Recorder(out, {"device_kind": kind, "platform": jax.default_backend(),
                        "scale": sc.name, "scan_layers": scan_layers})
   print(f"kvjax accelerator preset ({sc.name} scale) on {kind}: sections "
@@ -522,7 +705,7 @@ def run(out: str | pathlib.Path = "results/accelerator", *, scale: str = "auto",
     return models[name]
 
   steps = {
-      "kernel": lambda: kernel_section(rec, sc, spec),
+      "kernel": lambda: kernel_section(rec, sc, spec, out / "auto_choices.json", install),
       "decode": lambda: decode_section(rec, sc, spec, model(sc.model, sc.dtype)),
       "throughput": lambda: throughput_section(rec, sc, spec, model(sc.model, sc.dtype)),
       "prefill": lambda: prefill_section(rec, sc, spec, model(sc.model, sc.dtype)),
@@ -538,7 +721,8 @@ def run(out: str | pathlib.Path = "results/accelerator", *, scale: str = "auto",
   finally:
     rec.close()
   text = summary_markdown(rec.rows, _header(kind, spec, sc, scan_layers,
-                                            time.perf_counter() - rec.start), sections)
+                                            time.perf_counter() - rec.start), sections,
+                          rec.notes)
   (out / "summary.md").write_text(text)
   print(text, flush=True)
   return rec.rows
