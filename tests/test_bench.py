@@ -26,22 +26,41 @@ def test_measure_row(smollm2_lm, fill, policy, budget):
   row = runner.measure(cfg, smollm2_lm)
   for field in FIELDS:
     assert field in row, field
-  assert row["fill"] == fill and row["decode_steps"] == 2  # forward passes after the first token
-  assert row["decode_ms_per_token"] > 0 and row["peak_rss_bytes"] > 0
-  # (ru_maxrss is updated lazily: VmRSS may read a little above it.)
-  assert row["rss_after_load_bytes"] > 0
-  assert 0 < row["rss_file_after_load_bytes"] < row["rss_after_load_bytes"]
-  assert 0 < row["load_peak_rss_bytes"] <= row["peak_rss_bytes"]
-  # The weights and the cache are live while the decode program runs.
+  assert (row["model"], row["policy"], row["budget"], row["context_length"], row["batch_size"],
+          row["fill"], row["scan_layers"]) == (
+              cfg.model, policy, budget, 160, 1, fill, smollm2_lm.scan_layers)
+  assert row["decode_steps"] == 2  # forward passes after the first token
+  assert row["backend"] in ("xla", "pallas", "native")  # "auto" resolved
+  assert row["decode_ms_per_token"] > 0
+  assert row["decode_tokens_per_s"] == pytest.approx(1e3 / row["decode_ms_per_token"])  # B = 1
+  # The weights (dequantized to float32: memory the process wrote) are resident once loaded.
   params = sum(x.nbytes for x in jax.tree.leaves(smollm2_lm.params))
+  assert row["rss_after_load_bytes"] > params
+  assert 0 < row["rss_file_after_load_bytes"] < row["rss_after_load_bytes"]
+  # (ru_maxrss is updated lazily: VmRSS may read a little above it.)
+  assert params < row["load_peak_rss_bytes"] <= row["peak_rss_bytes"]
+  # The weights and the cache are live while the decode program runs.
   assert row["buffer_peak_bytes"] >= params + row["kv_bytes"]
+  # A synthetic fill runs no prefill program: only decode is observed.
+  assert row["buffer_peak_program"] in (("decode",) if fill == "synthetic"
+                                        else ("prefill", "decode"))
+  assert row["compilation_cache"] is None and row["programs_from_cache"] == 0
+  if jax.default_backend() == "cpu":
+    assert row["device_peak_bytes"] is None  # the CPU client keeps no allocator statistics
+  for field in FIELDS:  # the note says what each memory figure measures
+    if (field.endswith("_bytes") and field != "kv_bytes") or field.startswith("programs_"):
+      assert field in row["memory_note"], field
   assert (row["prefill_s"] is None) == (fill == "synthetic")
   c = smollm2_lm.config
-  entries = 160 if budget is None else budget
-  grow = 0 if policy == "streaming_llm" else 3  # decode-evicting policies stay at the budget
-  per_slot = c.num_layers * c.num_kv_heads * c.head_dim * 4 * 2
+  per_slot = c.num_layers * c.num_kv_heads * c.head_dim * 4 * 2  # float32 keys + values
   if fill == "synthetic":
-    assert row["kv_bytes"] == per_slot * -(-(entries + grow) // 16) * 16
+    entries = 160 if budget is None else budget
+    assert row["prompt_tokens"] is None
+  else:  # "full" keeps the prompt right-padded to generate's pad_multiple, 64
+    assert 158 <= row["prompt_tokens"] <= 160  # make_sample: within a token or two of it
+    entries = -(-row["prompt_tokens"] // 64) * 64 if budget is None else budget
+  grow = 0 if policy == "streaming_llm" else 3  # decode-evicting policies stay at the budget
+  assert row["kv_bytes"] == per_slot * -(-(entries + grow) // 16) * 16
 
 
 def test_synthetic_cache_holds_the_most_recent_positions(smollm2_lm):

@@ -152,8 +152,13 @@ def test_chunked_compression_holds_the_budget(smollm2_lm, name):
   assert budgets == max(r.cache.capacity[l][0] for l in range(cfg.num_layers))
   kept = np.asarray(r.cache.kept_positions())  # [B, L, K, S]
   for i, n in enumerate(r.stats.prompt_tokens):
-    held = (kept[i] >= 0).sum(-1)  # [L, K]: the budget (PagedEviction: whole pages) + decoded
-    assert held.max() <= budget + 3 and held.min() >= budget - 16, (name, held.min(), held.max())
+    held = (kept[i] >= 0).sum(-1)  # [L, K]
+    if name in ("snapkv", "knorm"):  # the budget, then the 3 decoded tokens appended
+      np.testing.assert_array_equal(held, budget + 3, err_msg=name)
+    elif name == "streaming_llm":  # a slot evicted before each append
+      np.testing.assert_array_equal(held, budget, err_msg=name)
+    else:  # PagedEviction: a whole page of 16 evicted when a head is full
+      assert held.max() <= budget and held.min() > budget - 16, (held.min(), held.max())
     assert (kept[i].max(-1) == n + 2).all()  # the newest token is there
     if name == "snapkv":  # the window (the question's end) survived every compression
       for pos in range(n - 16, n):

@@ -154,9 +154,16 @@ class GenerateTest(absltest.TestCase):
     self.assertEqual(s.prompt_tokens, (41, 7, 70))
     self.assertEqual(s.generated_tokens, (5, 5, 5))
     # 128 padded prompt + 5 new tokens -> 144 slots per head, float32 keys and values.
+    self.assertEqual(s.kv_capacity, ((144,) * CONFIG.num_kv_heads,) * CONFIG.num_layers)
     self.assertEqual(s.kv_bytes, 2 * 3 * CONFIG.num_layers * 2 * 144 * 16 * 4)
+    # No stop id: the first token comes from the prefill's logits, the other 4 from the loop.
+    self.assertEqual(s.decode_steps, 4)
+    self.assertEqual((s.policy, s.budget), ("full", None))
+    self.assertEqual(s.backend, kvjax.backend.resolve("auto", "paged_attention"))
     self.assertGreater(s.prefill_s, 0)
-    self.assertGreater(s.decode_tokens_per_s, 0)
+    self.assertGreater(s.decode_s, 0)
+    self.assertAlmostEqual(s.decode_tokens_per_s, 3 * 5 / s.decode_s)
+    self.assertAlmostEqual(s.decode_ms_per_step, 1e3 * s.decode_s / 4)
     np.testing.assert_array_equal(result.cache.lengths[:, 0, 0], [41 + 4, 7 + 4, 70 + 4])
 
   def test_shared_prefill_equals_one_generate_per_run(self):
