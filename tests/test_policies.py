@@ -184,7 +184,15 @@ class TestWhatEachPolicyKeeps:
       kept = _kept(policies.get(name, **fields), 12, q2, k2, prompt=prompt)
       for h in range(K):
         assert max(kept[1][h]) < 30, name
-        assert len(kept[1][h]) <= 12 and len(kept[0][h]) <= 12, name
+        if name != "chunkkv":  # both lengths exceed the budget: exactly the budget
+          assert len(kept[0][h]) == len(kept[1][h]) == 12, name
+          continue
+        for row, n in zip((kept[0][h], kept[1][h]), (T, 30)):
+          # Whole chunks of 20 from position 0 (the last one cut at the length), within
+          # the budget.
+          chunks = sorted({p // 20 for p in row})
+          assert row == [p for c in chunks for p in range(c * 20, min(c * 20 + 20, n))], row
+          assert len(row) <= 12
 
 
 class _Tokenizer:
@@ -275,7 +283,8 @@ class TestBudgets:
     budgets = policies.get("pyramidkv").layer_budgets(512, 1024, 30)
     assert budgets[:4] == (960, 929, 898, 867)
     assert budgets[-3:] == (126, 95, 64)
-    assert abs(sum(budgets) - 30 * 512) <= 30
+    # An arithmetic sequence from 960 to 64 averages the budget; each layer's is rounded.
+    assert abs(sum(budgets) - 30 * 512) <= 30 * 0.5
     # Too tight for a pyramid above the window: every layer gets the budget.
     assert policies.get("pyramidkv").layer_budgets(100, 1024, 30) == (100,) * 30
 
