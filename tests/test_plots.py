@@ -51,4 +51,6 @@ def test_memory_plot_of_one_context_length(tmp_path):
           for p, b, mib in (("full", None, 982.69), ("snapkv", 1024, 982.73))]
   paths = report.plot(rows, tmp_path)
   assert [p.name for p in paths] == ["decode_ms_per_token.png", "peak_memory.png"]
-  assert all(p.stat().st_size > 0 for p in paths)
+  for path in paths:  # PNG images of one 6 x 4 inch panel at plots.save's 110 dpi, RGBA
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+    assert plots.pyplot().imread(path).shape == (4 * 110, 6 * 110, 4), path
