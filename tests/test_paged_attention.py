@@ -1,5 +1,8 @@
 """Paged decode attention (reference) against dense attention and hand values."""
 
+import functools
+
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,7 +53,12 @@ def _dense_attention(q, keys, values, lengths):
   return out
 
 
-class PagedAttentionReferenceTest(parameterized.TestCase):
+_with_weights = functools.partial(paged_attention_reference, return_weights=True)
+
+
+class PagedAttentionReferenceTest(chex.TestCase):
+  """Hand values; masking both with and without jit (the "xla" backend runs the reference
+  inside programs, where XLA may fuse the masked reads)."""
 
   def test_single_key_returns_its_value(self):
     k_pages = jnp.zeros((2, 4, 2)).at[1, 0].set(jnp.array([1.0, 2.0]))
@@ -82,25 +90,25 @@ class PagedAttentionReferenceTest(parameterized.TestCase):
                                     jnp.array([[1, 1]]))
     np.testing.assert_allclose(out[0], [[1, 0], [1, 0], [0, 1], [0, 1]])
 
+  @chex.variants(with_jit=True, without_jit=True)
   def test_partial_last_page_by_hand(self):
     # Page size 2, three slots over pages 1 and 0 (the last page half full, its second
     # slot holding a huge key that must not count): equal logits, so the mean of the
     # three values.
     k_pages = jnp.zeros((2, 2, 1)).at[0, 1].set(1e4)
     v_pages = jnp.array([[[3.0], [1e6]], [[0.0], [6.0]]])
-    out, weights, lse = paged_attention_reference(
-        jnp.ones((1, 1, 1)), k_pages, v_pages, jnp.array([[[1, 0]]]), jnp.array([[3]]),
-        return_weights=True)
+    out, weights, lse = self.variant(_with_weights)(
+        jnp.ones((1, 1, 1)), k_pages, v_pages, jnp.array([[[1, 0]]]), jnp.array([[3]]))
     np.testing.assert_allclose(out[0, 0], [3.0], rtol=1e-6)
     np.testing.assert_allclose(weights[0, 0], [1 / 3, 1 / 3, 1 / 3, 0.0], rtol=1e-6)
     np.testing.assert_allclose(lse[0, 0], np.log(3.0), rtol=1e-6)
 
+  @chex.variants(with_jit=True, without_jit=True)
   def test_empty_head_outputs_zeros(self):
     # Its page holds a NaN value, which no slot of a head of length 0 may read.
     v_pages = jnp.ones((1, 8, 4)).at[0, 0, 0].set(jnp.nan)
-    out, weights, lse = paged_attention_reference(
-        jnp.ones((1, 2, 4)), jnp.ones((1, 8, 4)), v_pages, jnp.array([[[0]]]),
-        jnp.array([[0]]), return_weights=True)
+    out, weights, lse = self.variant(_with_weights)(
+        jnp.ones((1, 2, 4)), jnp.ones((1, 8, 4)), v_pages, jnp.array([[[0]]]), jnp.array([[0]]))
     np.testing.assert_array_equal(out, np.zeros((1, 2, 4)))
     np.testing.assert_array_equal(weights, np.zeros((1, 2, 8)))
     np.testing.assert_array_equal(lse, np.full((1, 2), -np.inf))
