@@ -7,6 +7,7 @@ Hugging Face checkpoints saved by transformers check the safetensors loader.
 
 import os
 
+import chex
 import gguf
 import numpy as np
 import pytest
@@ -97,12 +98,9 @@ def test_tiny_round_trip(tmp_path, tied):
       rope_theta=50000.0, max_position_embeddings=128, tie_embeddings=tied,
       name="tiny-llama")
   assert meta.architecture == "llama" and meta.path == str(path)
-  expected_keys = set(gguf_loader.canonical_shapes(config))
-  assert set(weights) == expected_keys
+  assert {k: w.shape for k, w in weights.items()} == gguf_loader.canonical_shapes(config)
   assert ("lm_head" in weights) == (not tied)
-  for key, shape in gguf_loader.canonical_shapes(config).items():
-    assert weights[key].shape == shape, key
-    assert weights[key].dtype == np.float32, key
+  chex.assert_type(list(weights.values()), np.float32)
   np.testing.assert_array_equal(weights["embed"], hf["embed"])
   np.testing.assert_array_equal(weights["final_norm"], hf["final_norm"])
   if not tied:
@@ -226,8 +224,8 @@ def test_smollm2_config_and_metadata(smollm2):
   assert len(tok.tokens) == 49152 and tok.tokens[2] == "<|im_end|>"
   assert not tok.add_bos
   assert "<|im_start|>" in tok.chat_template
-  for key, shape in gguf_loader.canonical_shapes(config).items():
-    assert weights[key].shape == shape and weights[key].dtype == np.float32, key
+  assert {k: w.shape for k, w in weights.items()} == gguf_loader.canonical_shapes(config)
+  chex.assert_type(list(weights.values()), np.float32)
 
 
 def test_read_metadata_matches_full_load(smollm2, smollm2_path):
@@ -300,8 +298,8 @@ def test_safetensors_matches_transformers(tmp_path):
       intermediate_size=40, rms_norm_eps=1e-6, rope_theta=500000.0,
       rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), max_position_embeddings=16384,
       tie_embeddings=False, name=config.name)
-  assert set(weights) == set(gguf_loader.canonical_shapes(config))
-  assert all(w.dtype == np.float32 for w in weights.values())
+  assert {k: w.shape for k, w in weights.items()} == gguf_loader.canonical_shapes(config)
+  chex.assert_type(list(weights.values()), np.float32)
   _assert_same_as_hf(weights, state)
   np.testing.assert_array_equal(weights["lm_head"], state["lm_head.weight"].T)
 

@@ -12,6 +12,7 @@ import os
 import unittest
 from unittest import mock
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,13 +116,16 @@ class PagedAttentionKernelTest(parameterized.TestCase):
     got = paged_attention(*args, block_sizes=block_sizes, return_weights=return_weights,
                           interpret=True)
     want = paged_attention_reference(*args, return_weights=True)
+    n, s = kh * group, p_max * page_size
     if not return_weights:
       self.assertIsInstance(got, jax.Array)
-      self.assertEqual(got.dtype, dtype)
+      chex.assert_shape(got, (b, n, head_dim))
+      chex.assert_type(got, dtype)
       testing.assert_close(got, want[0], dtype)
       return
-    self.assertEqual(got[0].dtype, dtype)
-    self.assertEqual(got[1].shape, (b, kh * group, p_max * page_size))
+    # out in q's dtype; weights and lse in float32.
+    chex.assert_shape(got, [(b, n, head_dim), (b, n, s), (b, n)])
+    chex.assert_type(got, [dtype, jnp.float32, jnp.float32])
     _assert_matches_reference(got, want, lengths, dtype, group)
 
   def test_without_weights_returns_out_only(self):

@@ -4,6 +4,7 @@ dequantisation, the native kernels against the references, and packed models."""
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import chex
 import gguf
 import pytest
 import jax
@@ -82,7 +83,8 @@ class NativeTest(parameterized.TestCase):
     packed, _ = _packed(0, "Q4_1", 96, 64)
     x = np.random.default_rng(2).standard_normal((2, 1, 64)).astype(np.float32)
     got = jax.jit(native.quantized_matmul_cpu)(x, packed)
-    self.assertEqual(got.shape, (2, 1, 96))
+    chex.assert_shape(got, (2, 1, 96))
+    chex.assert_type(got, jnp.float32)
     np.testing.assert_allclose(got, quantized.quantized_matmul_reference(x, packed),
                                rtol=2e-5, atol=2e-5)
 

@@ -6,6 +6,7 @@ GPU, input validation, and the backend switch that SnapKV-family policies go thr
 import functools
 from unittest import mock
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,7 +113,8 @@ class WindowScoresKernelTest(parameterized.TestCase):
     kwargs = dict(window=window, pool=pool, group=how, v=v, return_norms=True)
     got = window_scores(q, k, lengths, block_sizes=bs, interpret=True, **kwargs)
     want = window_scores_reference(q, k, lengths, **kwargs)
-    self.assertEqual(got[0].shape, (b, kh, t))
+    chex.assert_shape(got, (b, kh, t))  # scores, key norms, value norms
+    chex.assert_type(got, jnp.float32)
     _assert_matches(got, want, dtype)
 
   def test_scores_only_and_window_longer_than_prompt(self):
