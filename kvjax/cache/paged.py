@@ -189,12 +189,16 @@ class PagedKVCache:
     valid = (pages >= 0) & (pages < self.num_pages)
     rank = jnp.cumsum(valid) - 1
     target = jnp.where(valid, self.num_free + rank, self.num_pages)
-    freed = jnp.where(valid, pages, self.num_pages)
+    # A page mask, not a scatter of [M, S_page] fill values: an eviction hands in an
+    # id (mostly -1) for every page of every head, and XLA would materialize the
+    # fill values of all of them.
+    freed = jnp.zeros((self.num_pages,), bool).at[
+        jnp.where(valid, pages, self.num_pages)].set(True, mode="drop")[:, None]
     return self.replace(
         free_pages=self.free_pages.at[target].set(pages, mode="drop"),
         num_free=self.num_free + valid.sum(dtype=jnp.int32),
-        positions=self.positions.at[freed].set(EMPTY, mode="drop"),
-        scores=self.scores.at[freed].set(0.0, mode="drop"),
+        positions=jnp.where(freed, EMPTY, self.positions),
+        scores=jnp.where(freed, 0.0, self.scores),
     )
 
   def reset(self, sequences: jax.Array) -> "PagedKVCache":
