@@ -4,7 +4,7 @@ r"""kvjax on a GPU or TPU against the chip's physical floor, as a script.
   python benchmarks/accelerator.py --sections=kernel,decode --out=/tmp/acc
 
 Run from the repository's root (the model shape is configs/llama3_2_1b.py).
-The sections, rows and floor: kvjax/bench/accelerator.py.
+The sections, rows and floor: kvjax/bench/accelerator/.
 """
 
 import sys

@@ -7,7 +7,7 @@ r"""Decode speed, prefill time and memory of KV-cache policies against context l
   python -m kvjax.bench ... --compilation_cache=~/.cache/kvjax/xla   # twice: the second
                                                  # run loads its programs, compiles none
   python -m kvjax.bench --preset=accelerator   # a GPU/TPU against its physical floor
-                                                 # (kvjax/bench/accelerator.py)
+                                                 # (kvjax/bench/accelerator/)
 
 Each (policy, context length) runs in a fresh child process (``--isolate``), so
 its peak memory is its own. Lengths that fit the model's context run a real
@@ -64,7 +64,7 @@ flags.DEFINE_string("out", "results/bench", "Output folder (results/accelerator 
 flags.DEFINE_enum("preset", None, ["accelerator"],
                   "accelerator: kernel bytes/s, decode ms/step, throughput, prefill and "
                   "pallas-vs-xla tokens on the random Llama-3.2-1B shape against the chip's "
-                  "floor (kvjax/bench/accelerator.py); of the other flags it reads only "
+                  "floor (kvjax/bench/accelerator/); of the other flags it reads only "
                   "--out, --scale, --sections and --[no]scan_layers (when given; else the "
                   "device's default layout).")
 flags.DEFINE_enum("scale", "auto", ["auto", "full", "small"],
