@@ -47,7 +47,6 @@ import os
 from typing import Callable
 import warnings
 
-import jax
 
 # Names, not the modules: kvjax.kernels re-exports the kernel function under the
 # module's own name, so `from kvjax.kernels import paged_attention` is the function.

@@ -86,7 +86,7 @@ def summary_markdown(rows: Iterable[dict]) -> str:
         if policy == "full":
           full = cells[(policy, label, None)]
           text = f"{100 * _value(full):.0f}% ({len(full)})"
-          lines.append(f"| **full** | " + " | ".join([text] * max(1, len(budgets))) + " |")
+          lines.append("| **full** | " + " | ".join([text] * max(1, len(budgets))) + " |")
           continue
         out = []
         for b in budgets:
