@@ -21,6 +21,14 @@ COMMON = ("section", "label", "impl", "status", "error", "device_kind", "platfor
           "elapsed_s")
 TIMED = ("value", "unit", "seconds", "bytes", "flops", "floor_s", "floor", "floor_bound",
          "of_floor")
+# A timed row's value from its other fields, by unit; the units each section reports in.
+VALUE = {"GB/s": lambda r: r["bytes"] / r["seconds"] / 1e9,
+         "TFLOP/s": lambda r: r["flops"] / r["seconds"] / 1e12,
+         "ms/step": lambda r: 1e3 * r["seconds"],
+         "tokens/s": lambda r: r["batch_size"] / r["seconds"],
+         "s": lambda r: r["seconds"]}
+UNITS = {"kernel": {"GB/s", "TFLOP/s"}, "decode": {"ms/step"}, "throughput": {"tokens/s"},
+         "prefill": {"s"}}
 
 
 def test_small_preset_writes_every_section(tmp_path, monkeypatch):
@@ -36,8 +44,11 @@ def test_small_preset_writes_every_section(tmp_path, monkeypatch):
     assert r["status"] == "ok", r
     if r["section"] != "equality":
       assert all(f in r for f in TIMED), r
-      assert r["value"] > 0 and r["seconds"] > 0 and r["bytes"] > 0 and r["flops"] > 0
-      assert r["floor"] is None  # a CPU is not in SPECS
+      assert r["seconds"] > 0 and r["bytes"] > 0 and r["flops"] > 0, r
+      assert r["unit"] in UNITS[r["section"]], r
+      assert r["value"] == pytest.approx(VALUE[r["unit"]](r)), r
+      # A CPU is not in SPECS: no floor.
+      assert (r["floor_s"], r["floor"], r["floor_bound"], r["of_floor"]) == (None,) * 4, r
   # Every implementation per op (native CPU kernels take only float32), auto last.
   kernel = [r["impl"] for r in rows if r["section"] == "kernel"]
   assert kernel[:3] + kernel[4:6] == ["xla", "pallas", "dense sdpa", "xla", "fused"], kernel
