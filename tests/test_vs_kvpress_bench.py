@@ -42,15 +42,27 @@ def test_rows_and_summary(tmp_path):
       assert isinstance(r[f], (int, float)) and r[f] > 0, (r["side"], r["policy"], f, r[f])
     assert len(r["token_ids"]) == STEPS and r["decode_steps"] == STEPS
     assert r["context_length"] == CONTEXT and r["prompt_tokens"] <= CONTEXT
+    assert r["prompt_tokens"] == r["context_tokens"] + r["question_tokens"]
+    assert r["query_aware"] is False and r["compressed_tokens"] == r["context_tokens"]
+    # The best of the timed runs; tokens/s counts the first token, ms/step the forwards.
+    assert len(r["decode_runs"]) == len(r["prefill_runs"]) == r["repeats"]
+    assert (r["decode_s"], r["prefill_s"]) == (min(r["decode_runs"]), min(r["prefill_runs"]))
+    assert r["decode_tokens_per_s"] == pytest.approx(STEPS / r["decode_s"])
+    assert r["decode_ms_per_step"] == pytest.approx(1e3 * r["decode_s"] / (STEPS - 1))
     assert r["budget"] == (None if r["policy"] == "full" else BUDGET)
     if r["side"] == "kvjax":
       assert r["compile_s"] > 0  # its own process: it compiled its programs
     else:
       assert r["compile_s"] is None
   by = {(r["policy"], r["side"]): r for r in rows}
-  # kvpress kept exactly the budget of the compressed context.
+  # kvpress's DynamicCache: every compressed token (full) or exactly the budget (snapkv)
+  # after the prefill; then the question and the STEPS - 1 decoded tokens appended.
   full, snap = by["full", "kvpress"], by["snapkv", "kvpress"]
-  assert snap["kv_bytes"] * full["compressed_tokens"] == full["kv_bytes"] * BUDGET
+  per_token = 30 * 3 * 64 * 4 * 2  # SmolLM2-135M: L, K, H; float32 keys + values
+  assert full["kv_bytes"] == full["compressed_tokens"] * per_token
+  assert full["kv_bytes_end"] == (full["prompt_tokens"] + STEPS - 1) * per_token
+  assert snap["kv_bytes"] == BUDGET * per_token
+  assert snap["kv_bytes_end"] == (BUDGET + snap["question_tokens"] + STEPS - 1) * per_token
   assert by["snapkv", "kvjax"]["kv_bytes"] < by["full", "kvjax"]["kv_bytes"]
   summary = (tmp_path / "summary.md").read_text()
   assert f"## {CONTEXT} tokens" in summary
