@@ -22,8 +22,11 @@ def test_tiny_run_writes_every_output_and_resumes(smollm2_lm, tmp_path):
                   "correct", "score", "prediction", "answer", "prefill_s", "decode_s",
                   "kv_bytes"):
       assert field in r, field
+    assert (r["model"], r["task"], r["metric"]) == (cfg.model, "niah", "contains")
     assert r["length"] == 320 and r["depth"] == 0.5 and r["query_aware"] is True
+    assert 320 - 3 <= r["prompt_tokens"] <= 320  # make_sample: within a few tokens of it
     assert r["score"] == float(r["answer"][0] in r["prediction"])
+    assert r["correct"] == (r["score"] == 1.0)  # "contains": correct only when it is there
   full, snap = rows
   assert full["correct"]  # the full cache answers this prompt
   assert snap["kv_bytes"] < full["kv_bytes"]

@@ -1,5 +1,6 @@
 """The demo CLI (python -m kvjax.main) end to end, and its errors."""
 
+import re
 import subprocess
 import sys
 
@@ -15,8 +16,18 @@ def test_answers_a_passkey_question():
   out = _run("--context_tokens=600", "--max_new_tokens=12")
   assert out.returncode == 0, out.stderr
   assert "(correct)" in out.stdout
-  for field in ("prefill", "decode", "kv cache", "tokens/s"):
-    assert field in out.stdout
+  line = lambda pattern: re.search(f"^{pattern}$", out.stdout, re.M)  # one stats line
+  prompt = line(r"prompt +(\d+) tokens")
+  assert prompt and 597 <= int(prompt[1]) <= 600, out.stdout  # never over --context_tokens
+  assert line(r"policy +full, budget None, backend (xla|pallas|native), layers "
+              r"(scanned|unrolled)"), out.stdout
+  # The full cache: the prompt padded to 640 (generate's pad_multiple, 64) + 12 new tokens,
+  # SmolLM2-135M's L, K, H in float32 keys and values.
+  mib = 656 * 30 * 3 * 64 * 4 * 2 / 2**20
+  assert line(rf"kv cache +{mib:.1f} MiB allocated"), out.stdout
+  assert line(r"prefill +[\d.]+ s \(\d+ tokens/s\)"), out.stdout
+  decode = line(r"decode +(\d+) tokens in [\d.]+ s \([\d.]+ tokens/s, [\d.]+ ms/step\)")
+  assert decode and 1 <= int(decode[1]) <= 12, out.stdout  # a stop id may end it early
 
 
 @pytest.mark.slow  # loads and compiles the unrolled model in a child process
