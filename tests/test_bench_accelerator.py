@@ -141,8 +141,10 @@ def test_floor_is_the_larger_bound():
   assert row["floor"] == pytest.approx(1.0) and row["of_floor"] == pytest.approx(0.5)
   row = accelerator.floor_fields(h200, 1.0, 1.0, 989e12, lambda t: t)
   assert row["floor_bound"] == "compute" and row["floor_s"] == pytest.approx(1.0)
+  assert row["floor"] == pytest.approx(1.0) and row["of_floor"] == pytest.approx(1.0)
   none = accelerator.floor_fields(None, 1.0, 1.0, 1.0, lambda t: t)
-  assert none["floor"] is None and none["of_floor"] is None and none["bytes"] == 1
+  assert none == {"bytes": 1, "flops": 1, "floor_s": None, "floor": None, "floor_bound": None,
+                  "of_floor": None}
 
 
 def test_failure_tells_out_of_memory_from_other_errors():

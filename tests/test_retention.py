@@ -24,5 +24,5 @@ def test_retention_by_hand():
   kept[1, 0, :4] = [12, 11, 5, 10]  # whole, out of order
   # kept[1, 1] holds nothing
   mean_kept, whole = retention.retention(kept, span)
-  assert np.isclose(mean_kept, (1 + 1 / 3 + 1 + 0) / 4)
+  np.testing.assert_allclose(mean_kept, (1 + 1 / 3 + 1 + 0) / 4)
   assert whole == 0.5
