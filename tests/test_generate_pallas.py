@@ -48,6 +48,9 @@ def test_pallas_matches_xla_greedy_tokens(smollm2_lm, policy, budget, scoring_ke
   assert pallas.token_ids == xla.token_ids
   kept_pallas = np.asarray(pallas.cache.kept_positions())
   kept_xla = np.asarray(xla.cache.kept_positions())
+  for kept in (kept_pallas, kept_xla):  # every head: the budget, then the 7 decoded tokens
+    np.testing.assert_array_equal((kept >= 0).sum(-1), budget + 7)
+    np.testing.assert_array_equal((kept >= 512).sum(-1), 7)
   if policy == "snapkv":
     # The same entries were kept: the selection did not move either.
     np.testing.assert_array_equal(kept_pallas, kept_xla)
