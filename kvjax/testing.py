@@ -63,7 +63,8 @@ def assert_cache_consistent(cache) -> None:
       capacity (``capacity // page_size`` pages at most);
     - 0 <= length <= capacity, and the head's pages cover its length;
     - free pages, and the slots of owned pages at or past a head's length,
-      hold no entry (position -1; free pages also score 0).
+      hold no entry: position -1 and score 0 (a token appended there starts
+      from that score, unwritten).
 
   Works on host copies, so call it outside jit (tests, debugging).
   """
@@ -104,10 +105,13 @@ def assert_cache_consistent(cache) -> None:
                            f"have {what}")
   slot = np.arange(table.shape[-1] * ps)
   per_head = positions[np.maximum(table, 0)].reshape(*table.shape[:3], -1)  # [B, L, K, S]
-  stale = (slot >= lengths[..., None]) & np.repeat(table >= 0, ps, -1) & (per_head != -1)
-  if stale.any():
-    raise AssertionError(f"slots (sequence, layer, KV head, slot) {np.argwhere(stale).tolist()} "
-                         f"past their head's length hold positions")
+  past = (slot >= lengths[..., None]) & np.repeat(table >= 0, ps, -1)
+  head_scores = scores[np.maximum(table, 0)].reshape(per_head.shape)
+  for what, stale in (("positions", past & (per_head != -1)),
+                      ("scores", past & (head_scores != 0))):
+    if stale.any():
+      raise AssertionError(f"slots (sequence, layer, KV head, slot) "
+                           f"{np.argwhere(stale).tolist()} past their head's length hold {what}")
   if free.size and ((positions[free] != -1).any() or (scores[free] != 0).any()):
     raise AssertionError("a free page still holds an entry (position or score)")
 

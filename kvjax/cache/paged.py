@@ -250,6 +250,11 @@ class PagedKVCache:
     check_array("positions", positions, "[B, T]", (b, t), "int")
     if scores is not None:
       check_array("scores", scores, "[B, K, T]", (b, kh, t), "float")
+    scores = jnp.zeros(slots.shape, jnp.float32) if scores is None else scores
+    return self._write(layer, k, v, slots, positions, scores)
+
+  def _write(self, layer, k, v, slots, positions, scores) -> "PagedKVCache":
+    """``write`` without its checks; ``scores`` None leaves the slots' scores as they are."""
     ps = self.page_size
     table = self.page_table[:, layer]  # [B, K, P_max]
     p_max = table.shape[-1]
@@ -261,13 +266,14 @@ class PagedKVCache:
     kt = jnp.swapaxes(k, 1, 2).astype(self.k_pages.dtype)  # [B, K, T, H]
     vt = jnp.swapaxes(v, 1, 2).astype(self.v_pages.dtype)
     pos = jnp.broadcast_to(positions[:, None, :], slots.shape)
-    scores = jnp.zeros(slots.shape, jnp.float32) if scores is None else scores
-    return self.replace(
+    out = self.replace(
         k_pages=self.k_pages.at[page, offset].set(kt, mode="drop"),
         v_pages=self.v_pages.at[page, offset].set(vt, mode="drop"),
-        positions=self.positions.at[page, offset].set(pos, mode="drop"),
-        scores=self.scores.at[page, offset].set(scores.astype(jnp.float32), mode="drop"),
-    )
+        positions=self.positions.at[page, offset].set(pos, mode="drop"))
+    if scores is None:
+      return out
+    return out.replace(
+        scores=self.scores.at[page, offset].set(scores.astype(jnp.float32), mode="drop"))
 
   def append(self, layer, k: jax.Array, v: jax.Array, positions: jax.Array) -> "PagedKVCache":
     """Appends one token per sequence to every head of a layer.
@@ -289,7 +295,9 @@ class PagedKVCache:
         table, jnp.minimum(lengths // self.page_size, table.shape[-1] - 1)[..., None], -1)[..., 0]
     fits = (lengths < cap) & (page >= 0)
     slots = jnp.where(fits, lengths, EMPTY)[..., None]
-    out = self.write(layer, k, v, slots, positions)
+    # No score write: a slot at or past a head's length already scores 0 (pages
+    # are freed and slots vacated with score 0).
+    out = self._write(layer, k, v, slots, positions, None)
     return out.replace(lengths=out.lengths.at[:, layer].set(lengths + fits.astype(jnp.int32)))
 
   # ---------------------------------------------------------------- eviction
