@@ -388,9 +388,9 @@ def decode_attention(
   b, n, s = weights.shape
   kh = table.shape[1]
   received = weights.reshape(b, kh, n // kh, s).mean(2)  # [B, K, S]
-  ps = cache.page_size
-  page = jnp.maximum(table, 0)[..., None].repeat(ps, -1).reshape(b, kh, s)
-  page = jnp.where(jnp.arange(s) < lengths[..., None], page, cache.num_pages)
-  offset = jnp.broadcast_to(jnp.arange(s) % ps, (b, kh, s))
-  cache = cache.replace(scores=cache.scores.at[page, offset].add(received, mode="drop"))
+  # Whole pages at once: weights are zero past a head's length, and absent pages
+  # (-1) are dropped.
+  page = jnp.where(table >= 0, table, cache.num_pages)  # [B, K, P_max]
+  received = received.reshape(table.shape + (cache.page_size,))
+  cache = cache.replace(scores=cache.scores.at[page].add(received, mode="drop"))
   return cache, out[:, None]
