@@ -108,6 +108,25 @@ class WriteTest(absltest.TestCase):
     self.assertEqual(int(cache.lengths[0, 0, 0]), 8)
     np.testing.assert_array_equal(cache.kept_positions()[0, 0, 0], np.arange(8))
 
+  def test_open_token_slots_equals_reserve_and_append(self):
+    # Heads empty, mid-page, on a page boundary, one short of capacity and at it,
+    # in two sequences, appended for a few steps: the same cache either way.
+    cache = _cache(capacity=[[16, 16, 8], [16, 8, 16]], page_size=4)
+    lengths = jnp.array([[[0, 3, 8], [4, 7, 5]], [[16, 15, 1], [8, 8, 12]]], jnp.int32)
+    cache = cache.reserve(lengths).replace(lengths=lengths)
+    for step in range(5):
+      kv = jax.random.normal(jax.random.key(step), (2, 2, 1, 3, 4))
+      pos = jnp.array([20 + step, 40 + step], jnp.int32)
+      old = cache.reserve(cache.lengths + 1)
+      for layer in range(2):
+        old = old.append(layer, kv[layer], -kv[layer], pos[:, None])
+      new, slots = cache.open_token_slots(pos)
+      for layer in range(2):
+        new = new.write_token(layer, kv[layer], -kv[layer], slots[:, layer])
+      testing.assert_cache_consistent(new)
+      jax.tree.map(np.testing.assert_array_equal, new, old)
+      cache = new
+
 
 def _appended(lengths, page_size=4):
   """A cache (B=1, L=2, K=2) whose head (l, k) holds positions 0 .. lengths[l][k] - 1

@@ -7,8 +7,9 @@ operations on the batch:
             token, a random subset, or what a policy selects under its budget
             (through ``prefill_attention`` when the whole batch is chosen, else
             through set_lengths / reserve / write on the chosen rows);
-  decode    one token for every sequence: reserve + append in each layer, after
-            an optional decode-time eviction by streaming_llm or h2o;
+  decode    one token for every sequence: reserve + append in each layer, or
+            open_token_slots + write_token (drawn per step), after an optional
+            decode-time eviction by streaming_llm or h2o;
   unreserved_append  an append without the reserve (its token is dropped where
             the head has no page for it);
   remove    a random slot per head, in range or not (random evictions; pages left
@@ -20,7 +21,8 @@ layer, KV head) a list indexed by slot of (position, key, value, score), and
 the number of pages the head owns. After every operation ``check`` asserts:
 
   1. pages: none owned twice or both owned and free, free + owned = the pool,
-     none lost; rows filled front to back; free pages hold no entry
+     none lost; rows filled front to back; free pages, and owned slots at or
+     past a head's length, hold no entry and score 0
      (kvjax.testing.assert_cache_consistent); each head owns the pages the
      reference says;
   2. lengths never exceed capacity and equal the reference's;
@@ -119,11 +121,20 @@ def _reserve(cache, lengths):
   return cache.reserve(lengths)
 
 
-@functools.partial(jax.jit, static_argnames=("reserve",))
-def _decode(cache, k, v, positions, *, reserve):
-  """k, v: [L, B, 1, K, H]; positions: [B, 1]. The layer is traced, as in the model's scan."""
+@functools.partial(jax.jit, static_argnames=("mode",))
+def _decode(cache, k, v, positions, *, mode):
+  """k, v: [L, B, 1, K, H]; positions: [B, 1]. The layer is traced, as in the model's scan.
+
+  mode: "append" (no reserve), "reserve" (reserve, then each layer's append) or
+  "step" (``open_token_slots``, then each layer's ``write_token``, as generate's
+  decode does).
+  """
   k, v = jnp.asarray(k), jnp.asarray(v)
-  if reserve:
+  if mode == "step":
+    cache, slots = cache.open_token_slots(positions[:, 0])
+    return jax.lax.fori_loop(0, cache.num_layers,
+                             lambda l, c: c.write_token(l, k[l], v[l], slots[:, l]), cache)
+  if mode == "reserve":
     cache = cache.reserve(cache.lengths + 1)
   return jax.lax.fori_loop(0, cache.num_layers,
                            lambda l, c: c.append(l, k[l], v[l], positions), cache)
@@ -438,7 +449,8 @@ class Run:
     shape = (cfg.layers, cfg.batch, 1, cfg.kv_heads, cfg.head_dim)
     k = rng.standard_normal(shape).astype(np.float32)
     v = rng.standard_normal(shape).astype(np.float32)
-    self.cache = self.op(_decode)(self.cache, k, v, positions[:, None], reserve=reserve)
+    mode = ("reserve", "step")[rng.integers(2)] if reserve else "append"
+    self.cache = self.op(_decode)(self.cache, k, v, positions[:, None], mode=mode)
     if reserve:
       ref.reserve(ref.lengths() + 1)
     before = ref.lengths()

@@ -362,6 +362,7 @@ def decode_attention(
     positions: jax.Array,
     *,
     accumulate: bool = False,
+    slots: jax.Array | None = None,
 ) -> tuple[PagedKVCache, jax.Array]:
   """Appends one token per sequence, then attends over the layer's pages.
 
@@ -372,12 +373,18 @@ def decode_attention(
     q: [B, 1, N, H]; k, v: [B, 1, K, H]; positions: [B, 1] int32.
     accumulate: add the attention each slot receives (mean over the query
       heads of its KV head) to ``cache.scores`` (H2O-style policies).
+    slots: [B, K] int32 the layer's part of ``PagedKVCache.open_token_slots``,
+      when the step opened every layer's slot already (position and length
+      set): only the key and value are stored. None: ``append`` does it all.
 
   Returns:
     (cache, out [B, 1, N, H]).
   """
   _check_qkv(cache, q, k, v, positions, t=1)
-  cache = cache.append(layer, k, v, positions)
+  if slots is None:
+    cache = cache.append(layer, k, v, positions)
+  else:
+    cache = cache.write_token(layer, k, v, slots)
   table, lengths = cache.layer_view(layer)
   attend = backend_lib.get("paged_attention")
   if not accumulate:

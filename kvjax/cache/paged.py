@@ -300,6 +300,69 @@ class PagedKVCache:
     out = self._write(layer, k, v, slots, positions, None)
     return out.replace(lengths=out.lengths.at[:, layer].set(lengths + fits.astype(jnp.int32)))
 
+  def open_token_slots(self, positions: jax.Array) -> tuple["PagedKVCache", jax.Array]:
+    """Makes room for one new token per sequence in every (layer, KV head) at once.
+
+    A decode step's bookkeeping in one pass, before the forward: a page where a
+    head's next slot starts one (at most one per head: a cumulative sum over
+    [B, L, K] and one scatter into the page table, not ``reserve``'s sweep of
+    every table entry), the token's position in every layer's slot, and the
+    lengths. Each layer then only stores its key and value (``write_token``);
+    the slot's score is already 0 (see ``append``).
+    The cache ends as ``reserve(lengths + 1)`` followed by every layer's
+    ``append`` leaves it, keys and values aside. A head at capacity drops the
+    token (policies evict first).
+
+    Args:
+      positions: [B] int32 the token's original position.
+
+    Returns:
+      (cache, slots [B, L, K] int32: the token's slot in the pool, page id *
+      S_page + offset, or -1 where the head drops it).
+    """
+    b, l, kh, p_max = self.page_table.shape
+    check_array("positions", positions, "[B]", (b,), "int")
+    ps = self.page_size
+    lengths = self.lengths
+    fits = lengths < self.capacity_array()[None]  # [B, L, K]
+    index = jnp.minimum(lengths // ps, p_max - 1)[..., None]
+    page = jnp.take_along_axis(self.page_table, index, -1)[..., 0]  # [B, L, K]
+    grow = fits & (page < 0)  # pages fill a head's row front to back
+    rank = jnp.cumsum(grow.reshape(-1)).reshape(grow.shape) - 1
+    taken = self.free_pages[jnp.clip(self.num_free - 1 - rank, 0, self.num_pages - 1)]
+    page = jnp.where(grow, taken, page)
+    heads = jnp.arange(b * l * kh)
+    table = self.page_table.reshape(b * l * kh, p_max).at[
+        jnp.where(grow.reshape(-1), heads, b * l * kh), index.reshape(-1)].set(
+            page.reshape(-1), mode="drop").reshape(self.page_table.shape)
+    at = jnp.where(fits, page, self.num_pages)  # out of bounds: dropped
+    pos = jnp.broadcast_to(positions[:, None, None], at.shape)
+    out = self.replace(
+        page_table=table,
+        num_free=self.num_free - grow.sum(dtype=jnp.int32),
+        positions=self.positions.at[at, lengths % ps].set(pos, mode="drop"),
+        lengths=lengths + fits.astype(jnp.int32))
+    return out, jnp.where(fits, page * ps + lengths % ps, EMPTY)
+
+  def write_token(self, layer, k: jax.Array, v: jax.Array, slots: jax.Array) -> "PagedKVCache":
+    """Stores one token's key and value per head of a layer at ``open_token_slots``' slots.
+
+    Args:
+      layer: layer index (may be traced).
+      k, v: [B, 1, K, H]; slots: [B, K] int32 pool slots (-1 = drop).
+    """
+    b, kh, h = self.batch_size, self.num_kv_heads, self.k_pages.shape[-1]
+    _check_layer(layer, self.num_layers)
+    check_array("k", k, "[B, 1, K, H]", (b, 1, kh, h), "float")
+    check_array("v", v, "[B, 1, K, H]", (b, 1, kh, h), "float")
+    check_array("slots", slots, "[B, K]", (b, kh), "int")
+    ps = self.page_size
+    page = jnp.where(slots >= 0, slots // ps, self.num_pages)
+    offset = slots % ps
+    return self.replace(
+        k_pages=self.k_pages.at[page, offset].set(k[:, 0].astype(self.k_pages.dtype), mode="drop"),
+        v_pages=self.v_pages.at[page, offset].set(v[:, 0].astype(self.v_pages.dtype), mode="drop"))
+
   # ---------------------------------------------------------------- eviction
   # Every eviction is one call of the backend's ``compact_slots`` op (the Pallas
   # kernel, or its jnp reference): kept entries move to their head's first

@@ -157,13 +157,15 @@ def decode(params, cache, first_logits, next_positions, limit, seed, stops, samp
 
     def step(state: DecodeState) -> DecodeState:
       positions = (next_positions + state.step - 1)[:, None]  # [B, 1]
+      cache = policy.before_decode_step(state.cache, limit, positions[:, 0])
+      # Every layer's page, position and length at once; each layer stores k and v.
+      cache, slots = cache.open_token_slots(positions[:, 0])
 
       def attend(cache, layer, q, k, v):
         return attention_lib.decode_attention(cache, layer, q, k, v, positions,
-                                              accumulate=policy.accumulates_attention)
+                                              accumulate=policy.accumulates_attention,
+                                              slots=slots[:, layer])
 
-      cache = policy.before_decode_step(state.cache, limit, positions[:, 0])
-      cache = cache.reserve(cache.lengths + 1)
       cache, logits = _forward(graphdef, params, state.last()[:, None], positions, cache, attend,
                                jnp.zeros_like(positions[:, 0]))
       rng, key = jax.random.split(state.rng)
