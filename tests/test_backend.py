@@ -48,7 +48,7 @@ def test_unmeasured_pairs_run_xla():
 
 @pytest.mark.parametrize("platform", ["gpu", "tpu"])
 def test_auto_on_accelerators_follows_the_table(platform):
-  with mock.patch.object(backend_lib.jax, "default_backend", return_value=platform):
+  with platform_lib.targeting(platform):
     for op in backend_lib.ops():
       want = backend_choices.auto_choice(platform, op).backend
       assert backend_lib.resolve("auto", op) == want, op
