@@ -14,7 +14,6 @@ import logging
 import pathlib
 import sys
 
-from absl import app
 from absl import flags
 
 FLAGS = flags.FLAGS
@@ -96,10 +95,10 @@ def main(argv) -> None:
 
 
 def run() -> None:
-  """Console-script entry point: the process set up as the other tools' (kvjax.runtime)."""
-  from kvjax import runtime
-  runtime.setup()
-  app.run(main)
+  """Console-script entry point, run as the other tools are (``kvjax.cli.run``: the process
+  set up by ``kvjax.runtime``, bad flags and unusable native kernels on one line, exit 2)."""
+  from kvjax import cli
+  cli.run(main)
 
 
 if __name__ == "__main__":
