@@ -64,6 +64,16 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 _TARGET = contextvars.ContextVar("kvjax_target_platform", default=None)
 
 
+@contextlib.contextmanager
+def scoped(var: contextvars.ContextVar, value):
+  """Sets ``var`` to ``value`` inside the block and back to what it was after."""
+  token = var.set(value)
+  try:
+    yield
+  finally:
+    var.reset(token)
+
+
 def target() -> str:
   """The platform programs are built for: the default device's, unless ``targeting`` says."""
   return _TARGET.get() or jax.default_backend()
@@ -80,11 +90,8 @@ def targeting(name: str):
   """
   if name not in PLATFORMS:
     raise ValueError(f"platform must be one of {PLATFORMS}, got {name!r}")
-  token = _TARGET.set(name)
-  try:
+  with scoped(_TARGET, name):
     yield
-  finally:
-    _TARGET.reset(token)
 
 
 def interpret_here() -> bool:

@@ -238,8 +238,5 @@ def use(backend: str):
   """
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-  token = _CURRENT.set(backend)
-  try:
+  with platform_lib.scoped(_CURRENT, backend):
     yield
-  finally:
-    _CURRENT.reset(token)
