@@ -25,6 +25,12 @@ def _libc() -> ctypes.CDLL | None:
     return None
 
 
+def _mallopt(param: int, value: int) -> bool:
+  """glibc's ``mallopt(param, value)``: whether it took (False where there is none)."""
+  mallopt = getattr(_libc(), "mallopt", None)
+  return bool(mallopt is not None and mallopt(param, value))
+
+
 # mallopt's parameter for the size from which malloc maps a block of its own (malloc.h).
 _M_MMAP_THRESHOLD = -3
 
@@ -43,8 +49,7 @@ def map_large_blocks(threshold: int = 1 << 20) -> bool:
   Returns:
     Whether the threshold was set (False where there is no glibc ``mallopt``).
   """
-  mallopt = getattr(_libc(), "mallopt", None)
-  return bool(mallopt is not None and mallopt(_M_MMAP_THRESHOLD, int(threshold)))
+  return _mallopt(_M_MMAP_THRESHOLD, int(threshold))
 
 
 # mallopt's parameter for the most heap arenas glibc creates (malloc.h).
@@ -63,8 +68,7 @@ def single_arena() -> bool:
   Returns:
     Whether the limit was set (False where there is no glibc ``mallopt``).
   """
-  mallopt = getattr(_libc(), "mallopt", None)
-  return bool(mallopt is not None and mallopt(_M_ARENA_MAX, 1))
+  return _mallopt(_M_ARENA_MAX, 1)
 
 
 def to_device(x, dtype=None) -> jax.Array:
