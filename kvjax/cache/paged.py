@@ -170,12 +170,17 @@ class PagedKVCache:
     want = jnp.maximum((jnp.minimum(new_lengths, cap) + ps - 1) // ps, have)
     j = jnp.arange(self.page_table.shape[-1])
     grow = (j >= have[..., None]) & (j < want[..., None])  # [B, L, K, P_max]
-    rank = jnp.cumsum(grow.reshape(-1)).reshape(grow.shape) - 1
-    page = self.free_pages[jnp.clip(self.num_free - 1 - rank, 0, self.num_pages - 1)]
     return self.replace(
-        page_table=jnp.where(grow, page, self.page_table),
+        page_table=jnp.where(grow, self._pop_free(grow), self.page_table),
         num_free=self.num_free - grow.sum(dtype=jnp.int32),
     )
+
+  def _pop_free(self, grow: jax.Array) -> jax.Array:
+    """The free pages that the True entries of ``grow`` take, in flat order, off the
+    top of the free stack (an array of ``grow``'s shape; meaningless where False).
+    The caller lowers ``num_free`` by ``grow``'s count."""
+    rank = jnp.cumsum(grow.reshape(-1)).reshape(grow.shape) - 1
+    return self.free_pages[jnp.clip(self.num_free - 1 - rank, 0, self.num_pages - 1)]
 
   def release(self, pages: jax.Array) -> "PagedKVCache":
     """Pushes page ids [M] back on the free stack.
@@ -326,11 +331,10 @@ class PagedKVCache:
     lengths = self.lengths
     fits = lengths < self.capacity_array()[None]  # [B, L, K]
     index = jnp.minimum(lengths // ps, p_max - 1)[..., None]
+    offset = lengths % ps
     page = jnp.take_along_axis(self.page_table, index, -1)[..., 0]  # [B, L, K]
     grow = fits & (page < 0)  # pages fill a head's row front to back
-    rank = jnp.cumsum(grow.reshape(-1)).reshape(grow.shape) - 1
-    taken = self.free_pages[jnp.clip(self.num_free - 1 - rank, 0, self.num_pages - 1)]
-    page = jnp.where(grow, taken, page)
+    page = jnp.where(grow, self._pop_free(grow), page)
     heads = jnp.arange(b * l * kh)
     table = self.page_table.reshape(b * l * kh, p_max).at[
         jnp.where(grow.reshape(-1), heads, b * l * kh), index.reshape(-1)].set(
@@ -340,9 +344,9 @@ class PagedKVCache:
     out = self.replace(
         page_table=table,
         num_free=self.num_free - grow.sum(dtype=jnp.int32),
-        positions=self.positions.at[at, lengths % ps].set(pos, mode="drop"),
+        positions=self.positions.at[at, offset].set(pos, mode="drop"),
         lengths=lengths + fits.astype(jnp.int32))
-    return out, jnp.where(fits, page * ps + lengths % ps, EMPTY)
+    return out, jnp.where(fits, page * ps + offset, EMPTY)
 
   def write_token(self, layer, k: jax.Array, v: jax.Array, slots: jax.Array) -> "PagedKVCache":
     """Stores one token's key and value per head of a layer at ``open_token_slots``' slots.
