@@ -123,6 +123,20 @@ def _rows_like(mask, x):
   return mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim))
 
 
+def _rewrite_pages(rewrite, first, end, filled):
+  """Calls ``rewrite(j)`` for the pages j in [first, end), then for ``filled`` past them."""
+
+  def page(j, carry):
+    rewrite(j)
+    return carry
+
+  jax.lax.fori_loop(first, end, page, 0)
+
+  @pl.when(filled >= end)
+  def _():
+    rewrite(filled)
+
+
 # ------------------------------------------------------------------ reference
 
 
@@ -208,15 +222,7 @@ def compact_dma_kernel(table_ref, keep_ref, plan_ref, *refs, num_pools: int, fro
                                buf[...])
         pltpu.sync_copy(buf, o.at[dst])
 
-  def page(j, carry):
-    rewrite(j)
-    return carry
-
-  jax.lax.fori_loop(first, end, page, 0)
-
-  @pl.when(filled >= end)
-  def _():
-    rewrite(filled)
+  _rewrite_pages(rewrite, first, end, filled)
 
 
 def compact_gather_kernel(table_ref, keep_ref, plan_ref, *refs, num_pools: int,
@@ -262,15 +268,7 @@ def compact_gather_kernel(table_ref, keep_ref, plan_ref, *refs, num_pools: int,
       if barrier:  # stores of this page land before the next page reads
         pltriton.debug_barrier()
 
-  def page(j, carry):
-    rewrite(j)
-    return carry
-
-  jax.lax.fori_loop(first, end, page, 0)
-
-  @pl.when(filled >= end)
-  def _():
-    rewrite(filled)
+  _rewrite_pages(rewrite, first, end, filled)
 
 
 # ------------------------------------------------------------------ public wrappers
