@@ -191,7 +191,7 @@ def _run(lm: LanguageModel, batch: inputs.Batch, options: inputs.Options,
   abstract = jax.eval_shape(plan.new_cache)
   logits = plan.prefill.compile(clock, abstract)
   clock.compile(programs.decode, *plan_lib.decode_call(
-      lm, abstract, logits, batch.lengths, **decode_options))
+      lm, abstract, logits, batch.next_positions, **decode_options))
 
   cache, logits = plan.prefill.run(clock, plan.new_cache())
   if batch.question_tokens is not None:
