@@ -123,9 +123,14 @@ def boundary_weights_reference(prefix: jax.Array, start, *, chunk: int, delta: i
   hi = start + chunk + delta
   ends = start + chunk - delta + jnp.arange(2 * delta + 1)
   at = lambda i: prefix[jnp.clip(i, 0, n - 1)]
-  left = (at(ends) - at(start)) / (ends - start).astype(jnp.float32)
-  right_len = (hi - ends).astype(jnp.float32)
-  right = jnp.where(right_len > 0, (at(hi) - at(ends)) / jnp.maximum(right_len, 1.0), 0.0)
+  return _boundary_weight(at(start), at(ends), at(hi), start, ends, hi, alpha)
+
+
+def _boundary_weight(pre_s, pre_e, pre_hi, s, e, hi, alpha):
+  """w(e) from the prefix sums at s, e and hi = s + C + D (every form computes it so)."""
+  left = (pre_e - pre_s) / (e - s).astype(jnp.float32)
+  right_len = (hi - e).astype(jnp.float32)
+  right = jnp.where(right_len > 0, (pre_hi - pre_e) / jnp.maximum(right_len, 1.0), 0.0)
   return left - alpha * right
 
 
@@ -226,10 +231,7 @@ def dynamic_split_kernel(lengths_ref, prefix_ref, cand_ref, starts_ref, sizes_re
 
   def weight(s, e):
     hi = s + chunk + delta
-    left = (pre(e) - pre(s)) / (e - s).astype(jnp.float32)
-    right_len = (hi - e).astype(jnp.float32)
-    right = jnp.where(right_len > 0, (pre(hi) - pre(e)) / jnp.maximum(right_len, 1.0), 0.0)
-    return left - alpha * right
+    return _boundary_weight(pre(s), pre(e), pre(hi), s, e, hi, alpha)
 
   def cond(state):
     s, j = state
@@ -347,10 +349,8 @@ def dynamic_split_tpu_kernel(lengths_ref, prefix_ref, cand_ref, starts_ref, size
       e = k * _TILE + offsets
       pre_e = prefix_ref[k]
       ok = (e >= lo) & (e <= last) & (cand_ref[k] != 0)
-      left = (pre_e - pre_s) / (e - s).astype(jnp.float32)
-      right_len = (hi - e).astype(jnp.float32)
-      right = jnp.where(right_len > 0, (pre_hi - pre_e) / jnp.maximum(right_len, 1.0), 0.0)
-      tiles.append((e, ok, jnp.where(ok, left - alpha * right, _NOT_CANDIDATE)))
+      w = _boundary_weight(pre_s, pre_e, pre_hi, s, e, hi, alpha)
+      tiles.append((e, ok, jnp.where(ok, w, _NOT_CANDIDATE)))
     # The first end of maximum weight; a NaN weight counts as the maximum (jnp.argmax).
     best = jnp.max(functools.reduce(jnp.maximum, [w for _, _, w in tiles]), keepdims=True)
     hits = [jnp.where(ok & ((w == best) | _isnan(w)), e, jnp.iinfo(jnp.int32).max)
