@@ -141,10 +141,8 @@ class PagedEviction(Policy):
     # The pool seen as one sequence of P * S_page tokens and one head.
     flat = lambda pages: norm(pages.reshape(1, -1, 1, pages.shape[-1])).reshape(-1, ps)
     pool = norm_scores(flat(cache.k_pages), flat(cache.v_pages), self.variant)  # [P, S_page]
-    per_slot = pool[jnp.maximum(table, 0)]  # [B, L, K, P_max, S_page]
-    slot = jnp.arange(table.shape[-1])[:, None] * ps + jnp.arange(ps)[None]
-    filled = slot < cache.lengths[..., None, None]
-    sums = jnp.where(filled, per_slot, 0.0).sum(-1)  # [B, L, K, P_max]
+    per_slot = jnp.where(selection.filled_slots(cache), selection.slot_view(cache, pool), 0.0)
+    sums = per_slot.reshape(table.shape + (ps,)).sum(-1)  # [B, L, K, P_max]
     if not self.per_head:
       # Sum over the layer's heads (their pages hold the same positions).
       sums = jnp.broadcast_to(sums.sum(2, keepdims=True), sums.shape)
