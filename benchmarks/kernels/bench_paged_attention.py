@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import common  # pylint: disable=g-import-not-at-top
 
 from kvjax import backend as backend_lib
+from kvjax.bench.accelerator.scales import FULL
 from kvjax.kernels.native import paged_attention_cpu
 from kvjax.kernels.paged_attention import _page_fetch
 from kvjax.kernels.paged_attention import PagedAttentionBlockSizes
@@ -51,8 +52,9 @@ flags.DEFINE_list("splits", [], "Extra kernel rows with these num_splits (GPU fo
 flags.DEFINE_integer("repeats", 5, "Timed calls per implementation.")
 FLAGS = flags.FLAGS
 
-# (B, K, G, H, page size, P_max, dtype): the issue's shape, then batch 1.
-_ACCELERATOR_SHAPES = ((8, 8, 4, 64, 16, 2048, "bfloat16"), (1, 8, 4, 64, 16, 2048, "bfloat16"))
+# (B, K, G, H, page size, P_max, dtype): the accelerator preset's kernel shapes.
+_ACCELERATOR_SHAPES = tuple((b, kh, g, h, FULL.page_size, s // FULL.page_size, FULL.dtype)
+                            for b, kh, g, h, s in FULL.kernel_shapes)
 
 
 def _inputs(b, kh, g, h, ps, p_max, dtype):
