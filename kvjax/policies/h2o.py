@@ -50,9 +50,8 @@ class H2O(Policy):
 
   def score(self, prompt, q, k, v):
     acc = scoring.accumulated_attention(q, k, prompt.lengths, group=self.group)
-    valid = jnp.arange(k.shape[1])[None, None] < prompt.lengths[:, None, None]
     # The recent window is kept by selection, but the stored score stays the true sum.
-    return jnp.where(valid, acc, -jnp.inf)
+    return scoring.mask_padding(acc, prompt.lengths)
 
   def keep(self, scores, prompt, budget, max_budget):
     return selection.keep_top(scoring.force_window(scores, prompt.lengths, self.recent),

@@ -16,8 +16,6 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-import jax.numpy as jnp
-
 from kvjax.policies import scoring
 from kvjax.policies.base import Policy
 
@@ -29,6 +27,4 @@ class KNorm(Policy):
   name: ClassVar[str] = "knorm"
 
   def score(self, prompt, q, k, v):
-    scores = scoring.key_norm_scores(k)
-    valid = jnp.arange(k.shape[1])[None, None] < prompt.lengths[:, None, None]
-    return jnp.where(valid, scores, -jnp.inf)
+    return scoring.mask_padding(scoring.key_norm_scores(k), prompt.lengths)

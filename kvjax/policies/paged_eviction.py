@@ -39,6 +39,7 @@ import jax.numpy as jnp
 
 from kvjax import backend as backend_lib
 from kvjax.cache.paged import EMPTY
+from kvjax.policies import scoring
 from kvjax.policies import selection
 from kvjax.policies.base import Policy
 
@@ -113,8 +114,7 @@ class PagedEviction(Policy):
     del q
     norm = backend_lib.get("token_norms")  # the engine's norm op ([B, T, K, H] -> [B, K, T])
     scores = self._reduce_heads(norm_scores(norm(k), norm(v), self.variant), axis=1)
-    valid = jnp.arange(k.shape[1])[None, None] < prompt.lengths[:, None, None]
-    return jnp.where(valid, scores, -jnp.inf)
+    return scoring.mask_padding(scores, prompt.lengths)
 
   def keep(self, scores, prompt, budget, max_budget):
     t = scores.shape[-1]

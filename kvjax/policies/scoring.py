@@ -94,6 +94,12 @@ def force_window(scores: jax.Array, lengths: jax.Array, window: int) -> jax.Arra
   return jnp.where(key_pos < end, scores, -jnp.inf)
 
 
+def mask_padding(scores: jax.Array, lengths: jax.Array) -> jax.Array:
+  """Scores [B, K, T] with -inf past each sequence's length (padding is never kept)."""
+  valid = jnp.arange(scores.shape[-1])[None, None] < lengths[:, None, None]
+  return jnp.where(valid, scores, -jnp.inf)
+
+
 def key_norm_scores(k: jax.Array) -> jax.Array:
   """-||k||_2 per token and KV head: [B, T, K, H] -> [B, K, T] (KnormPress keeps low norms)."""
   return -backend_lib.get("token_norms")(k)
