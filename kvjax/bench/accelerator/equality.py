@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from kvjax.bench.accelerator.recorder import Recorder
@@ -31,7 +29,7 @@ def equality_section(rec: Recorder, scale: Scale, lm) -> None:
   for name in scale.equality_policies or policies.names():
     budget = None if name == "full" else scale.equality_budget
     fields = policies.window_fields(name, scale.window)
-    if "delimiter_ids" in {f.name for f in dataclasses.fields(type(policies.get(name)))}:
+    if hasattr(policies.get(name), "delimiter_ids"):
       fields["delimiter_ids"] = delimiters
     tokens = {}
     try:
