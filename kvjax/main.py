@@ -35,6 +35,14 @@ flags.DEFINE_bool("scan_layers", None, "Stacked layers under lax.scan; --noscan_
 flags.DEFINE_bool("packed", False, "Keep a GGUF model's Q4_1 / Q8_0 matrices as their blocks "
                   "(the same weights, read in place by the products; see kvjax.load).")
 
+# What --help lists, by group.
+HELP_GROUPS = (
+    ("what to run", ("model", "packed", "scan_layers", "policy", "budget", "backend",
+                     "page_size")),
+    ("prompt", ("context_tokens", "depth", "prompt_file", "question")),
+    ("generation", ("max_new_tokens", "temperature", "seed")),
+)
+
 
 class UsageError(Exception):
   """A bad flag or input: printed on one line, exit code 2."""
@@ -98,7 +106,7 @@ def run() -> None:
   """Console-script entry point, run as the other tools are (``kvjax.cli.run``: the process
   set up by ``kvjax.runtime``, bad flags and unusable native kernels on one line, exit 2)."""
   from kvjax import cli
-  cli.run(main)
+  cli.run(main, HELP_GROUPS)
 
 
 if __name__ == "__main__":

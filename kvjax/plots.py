@@ -14,6 +14,8 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 # A value axis turns logarithmic only when its values span more than this factor.
 LOG_SPAN = 10.0
+# Values closer than this fraction of the largest are equal within a measurement's noise.
+NOISE_SPREAD = 0.01
 
 
 def write_report(out: str | pathlib.Path, summary: str, rows: list[dict],
@@ -62,9 +64,27 @@ def value_scale(ax, values: Sequence[float], *, axis: str = "y") -> None:
     (ax.set_ylim if axis == "y" else ax.set_xlim)(0, max(values) * 1.08 or 1.0)
 
 
+def note_if_equal(ax, values: Sequence[float], *, spread: float = NOISE_SPREAD,
+                  unit: str = "") -> bool:
+  """Writes on ``ax`` that its values are equal within noise, where they spread less than
+  ``spread`` (a fraction of the largest); returns whether it did.
+
+  Bars of 982.69 and 982.73 MiB look equal from 0, as they are; the note says
+  so in words instead of leaving a reader to look for a difference.
+  """
+  values = [v for v in values if v is not None]
+  if len(values) < 2 or max(values) <= 0 or (max(values) - min(values)) > spread * max(values):
+    return False
+  ax.text(0.5, 0.5, f"all equal within {spread:.0%}: {min(values):.4g}-{max(values):.4g}"
+          f"{' ' + unit if unit else ''}", transform=ax.transAxes, ha="center", va="center",
+          fontsize=8, bbox=dict(facecolor="white", alpha=0.85, edgecolor="gray"))
+  return True
+
+
 def compare(ax, series: Mapping[str, Sequence[tuple[float, float]]], *, xlabel: str,
             ylabel: str, ylim: tuple[float, float] | None = None,
-            reference: Mapping[str, float] | None = None, dodge: float = 0.0) -> None:
+            reference: Mapping[str, float] | None = None, dodge: float = 0.0,
+            first: Sequence[str] = ()) -> None:
   """y against x for each label: lines, or bars when every series has the same single x.
 
   Args:
@@ -73,8 +93,9 @@ def compare(ax, series: Mapping[str, Sequence[tuple[float, float]]], *, xlabel: 
     reference: {label: y} dashed horizontal lines (the full cache).
     dodge: shifts each line's markers sideways by this many octaves per label,
       so series with equal values (accuracies often are) stay visible side by side.
+    first: labels drawn before the others (sorted), in this order.
   """
-  labels = sorted(series)
+  labels = [l for l in first if l in series] + sorted(set(series) - set(first))
   xs = sorted({x for points in series.values() for x, _ in points})
   values = [y for points in series.values() for _, y in points] + list((reference or {}).values())
   if len(xs) == 1:

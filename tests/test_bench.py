@@ -29,7 +29,8 @@ def test_measure_row(smollm2_lm, fill, policy, budget):
   assert (row["model"], row["policy"], row["budget"], row["context_length"], row["batch_size"],
           row["fill"], row["scan_layers"]) == (
               cfg.model, policy, budget, 160, 1, fill, smollm2_lm.scan_layers)
-  assert row["decode_steps"] == 2  # forward passes after the first token
+  assert row["decode_steps"] == 3  # as asked: forward passes timed (the first token is prefill's)
+  assert "times 3 decode steps" in row["decode_note"]
   assert row["backend"] in ("xla", "pallas", "native")  # "auto" resolved
   assert row["decode_ms_per_token"] > 0
   assert row["decode_tokens_per_s"] == pytest.approx(1e3 / row["decode_ms_per_token"])  # B = 1
@@ -59,8 +60,14 @@ def test_measure_row(smollm2_lm, fill, policy, budget):
   else:  # "full" keeps the prompt right-padded to generate's pad_multiple, 64
     assert 158 <= row["prompt_tokens"] <= 160  # make_sample: within a token or two of it
     entries = -(-row["prompt_tokens"] // 64) * 64 if budget is None else budget
-  grow = 0 if policy == "streaming_llm" else 3  # decode-evicting policies stay at the budget
+  grow = 0 if policy == "streaming_llm" else 4  # 3 steps + the first token; decode-evicting
+  # policies stay at the budget
   assert row["kv_bytes"] == per_slot * -(-(entries + grow) // 16) * 16
+  # The estimate made before running: its KV part is the cache's exactly; the whole
+  # (weights + cache + a forward's activations) is near what the buffers peaked at.
+  assert row["estimated_parts"]["kv"] == row["kv_bytes"]
+  assert row["estimated_parts"]["weights"] == params
+  assert 0.8 * row["buffer_peak_bytes"] < row["estimated_bytes"] < 1.2 * row["buffer_peak_bytes"]
 
 
 def test_synthetic_cache_holds_the_most_recent_positions(smollm2_lm):

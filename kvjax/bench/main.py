@@ -14,12 +14,21 @@ its peak memory is its own. Lengths that fit the model's context run a real
 prompt (prefill timed); longer ones fill the cache with synthetic keys and
 values (said in each row's ``fill``). Writes --out/results.jsonl (this run's
 rows), summary.md and PNG plots; prints the summary.
+
+Before running anything, every configuration is checked: the flags' ranges,
+the output folder (writable), a prompt that fits the model, a budget the
+policy honours, and memory: weights + KV cache + activations, estimated
+(kvjax/bench/memory.py, each row's ``estimated_bytes``) against the device's
+memory. A run that fails or is interrupted leaves an earlier run's
+results.jsonl, summary.md and plots as they were; its own rows so far are in
+results.partial.jsonl.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -28,6 +37,7 @@ from absl import flags
 
 from kvjax import cli
 from kvjax.bench import accelerator
+from kvjax.bench import memory
 from kvjax.bench import report
 from kvjax.bench import runner
 
@@ -73,30 +83,63 @@ flags.DEFINE_enum("scale", "auto", ["auto", "full", "small"],
 flags.DEFINE_list("sections", list(accelerator.SECTIONS), "With --preset: the sections to run.")
 flags.DEFINE_string("child", None, "Internal: run one configuration (JSON) and print its row.")
 
+# What --help lists, by group.
+HELP_GROUPS = (
+    ("what to run", ("model", "packed", "scan_layers", "policies", "budget", "backend")),
+    ("cache and decoding", ("context_lengths", "fill", "batch_size", "decode_steps",
+                            "prefill_chunk", "window")),
+    ("measuring", ("repeats", "isolate", "compilation_cache")),
+    ("output", ("out",)),
+    ("accelerator preset", ("preset", "scale", "sections")),
+)
 _ROW = "KVJAX_BENCH_ROW "
+# Rows of a run in progress; replaces results.jsonl when the run completes.
+PARTIAL = "results.partial.jsonl"
+# Positions are int32: a context plus its new tokens must stay below this.
+MAX_POSITIONS = 2**31 - 1
 
 
 def _ints(name: str) -> list[int]:
   try:
     values = [int(x) for x in getattr(FLAGS, name)]
   except ValueError:
-    raise ValueError(f"--{name} must be a comma list of ints, got "
-                     f"{','.join(getattr(FLAGS, name))!r}") from None
+    raise cli.UsageError(f"--{name} must be a comma list of ints, got "
+                         f"{','.join(getattr(FLAGS, name))!r}") from None
   if not values or min(values) < 1:
-    raise ValueError(f"--{name} must be positive ints, got {values}")
+    raise cli.UsageError(f"--{name} must be positive ints, got {values}")
   return values
 
 
 def configs() -> list[runner.BenchConfig]:
-  """The run's configurations, from the flags (ValueError for a bad value)."""
+  """The run's configurations, from the flags (UsageError for a bad value).
+
+  Checks what the flags say alone: names, counts and ranges. What needs the
+  model (a prompt that fits its context, a budget a policy honours, memory)
+  is ``check_configs``.
+  """
   from kvjax import policies
   for name in FLAGS.policies:
-    policies.get(name)
+    try:
+      policies.get(name)
+    except ValueError as e:
+      raise cli.UsageError(str(e)) from None
   for name in ("batch_size", "decode_steps", "repeats", "budget"):
     if getattr(FLAGS, name) < 1:
-      raise ValueError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
-  if FLAGS.prefill_chunk < 0:
-    raise ValueError(f"--prefill_chunk must be >= 0, got {FLAGS.prefill_chunk}")
+      raise cli.UsageError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
+  for name in ("prefill_chunk", "window"):
+    if getattr(FLAGS, name) < 0:
+      raise cli.UsageError(f"--{name} must be >= 0, got {getattr(FLAGS, name)}")
+  lengths = _ints("context_lengths")
+  for n in lengths:
+    if n + FLAGS.decode_steps + 1 > MAX_POSITIONS:
+      raise cli.UsageError(f"--context_lengths {n} + --decode_steps {FLAGS.decode_steps} "
+                           f"exceeds the {MAX_POSITIONS:,} positions a cache can number "
+                           "(int32)")
+  compressed = [p for p in FLAGS.policies if p != "full"]
+  if compressed and FLAGS.budget > min(lengths):
+    raise cli.UsageError(f"--budget {FLAGS.budget} is above --context_lengths {min(lengths)}: "
+                         f"{compressed[0]} would keep the whole context; lower --budget or "
+                         "raise the lengths")
   cache_dir = FLAGS.compilation_cache and str(
       pathlib.Path(FLAGS.compilation_cache).expanduser().resolve())
   return [runner.BenchConfig(
@@ -106,7 +149,38 @@ def configs() -> list[runner.BenchConfig]:
       fill=FLAGS.fill, repeats=FLAGS.repeats, window=FLAGS.window,
       scan_layers=FLAGS.scan_layers, packed=FLAGS.packed,
       compilation_cache=cache_dir)
-      for n in _ints("context_lengths") for p in FLAGS.policies]
+      for n in lengths for p in FLAGS.policies]
+
+
+def _describe(cfg: runner.BenchConfig) -> str:
+  budget = "" if cfg.budget is None else f" at budget {cfg.budget}"
+  return f"{cfg.policy}{budget}, {cfg.context_length} tokens, batch {cfg.batch_size}"
+
+
+def check_configs(todo: list[runner.BenchConfig], lm, available: int | None,
+                  source: str) -> dict:
+  """Refuses (UsageError) a configuration the model or the device cannot run, before any runs.
+
+  Returns {config: its memory estimate}. ``available``: bytes of the device
+  (None: unknown, no memory check), ``source``: where that figure comes from.
+  """
+  estimates = {}
+  for cfg in todo:
+    try:
+      runner.make_policy(cfg, lm.tokenizer)
+      estimate = runner.estimate_memory(cfg, lm)
+    except ValueError as e:
+      raise cli.UsageError(f"{_describe(cfg)}: {e}") from None
+    if available is not None and estimate.total > available:
+      parts = ", ".join(f"{name} {memory.human(estimate.parts()[name])}"
+                        for name in ("weights", "cache", "activations"))
+      raise cli.UsageError(
+          f"{_describe(cfg)}, {cfg.decode_steps} decode steps needs an estimated "
+          f"{memory.human(estimate.total)} ({parts}), more than the "
+          f"{memory.human(available)} of {source}; lower --batch_size, --context_lengths "
+          "or --decode_steps (kvjax/bench/memory.py)")
+    estimates[cfg] = estimate
+  return estimates
 
 
 def _in_child(cfg: runner.BenchConfig) -> dict:
@@ -115,12 +189,63 @@ def _in_child(cfg: runner.BenchConfig) -> dict:
       capture_output=True, text=True)
   rows = [l[len(_ROW):] for l in proc.stdout.splitlines() if l.startswith(_ROW)]
   if proc.returncode != 0 or not rows:
-    tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-    raise RuntimeError(f"{cfg.policy} at {cfg.context_length} tokens failed: {tail}")
+    if proc.returncode < 0:
+      reason = f"killed by signal {-proc.returncode} (out of memory?)"
+    else:  # the child's own one-line error (kvjax.cli), else its last line
+      lines = proc.stderr.strip().splitlines() or ["(no output)"]
+      errors = [l for l in lines if l.startswith("error: ")]
+      reason = (errors or lines)[-1].removeprefix("error: ")
+    raise RuntimeError(reason)
   return json.loads(rows[-1])
 
 
+def _measure_all(todo: list[runner.BenchConfig], out: pathlib.Path, lm) -> list[dict]:
+  """Runs every configuration, writing its rows to ``out``/PARTIAL as they come."""
+  from tqdm import tqdm
+  rows = []
+  with (out / PARTIAL).open("w") as f:
+    for cfg in tqdm(todo, desc="bench", unit="config", file=sys.stderr):
+      try:
+        row = _in_child(cfg) if FLAGS.isolate else runner.measure(cfg, lm)
+      except (KeyboardInterrupt, SystemExit):
+        raise
+      except Exception as e:  # pylint: disable=broad-except
+        kind = "" if isinstance(e, RuntimeError) and FLAGS.isolate else f"{type(e).__name__}: "
+        cli.fail(f"{_describe(cfg)} failed: {kind}{e} (the earlier results in {out} are "
+                 f"untouched; this run's {len(rows)} rows are in {PARTIAL})")
+      f.write(json.dumps(row) + "\n")
+      f.flush()
+      rows.append(row)
+  return rows
+
+
+def _finish(rows: list[dict], out: pathlib.Path) -> str:
+  """results.jsonl, summary.md and plots, all of this run: the old report goes first."""
+  for name in ("summary.md", *report.PLOTS):
+    (out / name).unlink(missing_ok=True)
+  os.replace(out / PARTIAL, out / "results.jsonl")
+  return report.write_report(rows, out)
+
+
+def _preset() -> None:
+  unknown = sorted(set(FLAGS.sections) - set(accelerator.SECTIONS))
+  if unknown:
+    cli.fail(f"--sections: unknown {unknown}; known: {','.join(accelerator.SECTIONS)}")
+  out = FLAGS.out if FLAGS["out"].present else "results/accelerator"
+  cli.check_out_folder(out)
+  accelerator.run(out, scale=FLAGS.scale, sections=FLAGS.sections,
+                  scan_layers=FLAGS.scan_layers if FLAGS["scan_layers"].present else None)
+  print(f"rows and summary.md in {out}")
+
+
 def main(argv) -> None:
+  """Checks every flag, the output folder and each configuration's memory, then runs them.
+
+  A run writes its rows to results.partial.jsonl and, once every
+  configuration has run, replaces results.jsonl, summary.md and the plots
+  with its own: a run that fails or is interrupted leaves the previous run's
+  files as they were (and its own rows so far in results.partial.jsonl).
+  """
   if len(argv) > 1:
     cli.fail(f"unexpected arguments {argv[1:]}")
   cli.quiet_logs()
@@ -128,44 +253,28 @@ def main(argv) -> None:
     print(_ROW + json.dumps(runner.measure(runner.BenchConfig(**json.loads(FLAGS.child)))))
     return
   if FLAGS.preset == "accelerator":
-    unknown = sorted(set(FLAGS.sections) - set(accelerator.SECTIONS))
-    if unknown:
-      cli.fail(f"--sections: unknown {unknown}; known: {','.join(accelerator.SECTIONS)}")
-    out = FLAGS.out if FLAGS["out"].present else "results/accelerator"
-    accelerator.run(out, scale=FLAGS.scale, sections=FLAGS.sections,
-                    scan_layers=FLAGS.scan_layers if FLAGS["scan_layers"].present else None)
-    print(f"rows and summary.md in {out}")
+    _preset()
     return
+  todo = configs()
+  out = cli.check_out_folder(FLAGS.out)
+  import kvjax
+  available, source = memory.available_bytes()  # before the model takes its share
+  lm = kvjax.load(FLAGS.model, scan_layers=FLAGS.scan_layers, packed=FLAGS.packed)
+  check_configs(todo, lm, available, source)
+  if FLAGS.isolate:
+    lm = None  # each child loads its own
   try:
-    todo = configs()
-  except ValueError as e:
-    cli.fail(str(e))
-  from tqdm import tqdm
-  out = pathlib.Path(FLAGS.out)
-  out.mkdir(parents=True, exist_ok=True)
-  rows, lm = [], None
-  with (out / "results.jsonl").open("w") as f:
-    for cfg in tqdm(todo, desc="bench", unit="config", file=sys.stderr):
-      try:
-        if FLAGS.isolate:
-          row = _in_child(cfg)
-        else:
-          if lm is None:
-            import kvjax
-            lm = kvjax.load(cfg.model, scan_layers=cfg.scan_layers, packed=cfg.packed)
-          row = runner.measure(cfg, lm)
-      except (ValueError, RuntimeError) as e:
-        cli.fail(str(e))
-      f.write(json.dumps(row) + "\n")
-      f.flush()
-      rows.append(row)
-  print(report.write_report(rows, out))
+    rows = _measure_all(todo, out, lm)
+  except KeyboardInterrupt:
+    cli.interrupted(f"interrupted; the earlier results in {out} are untouched (this run's "
+                    f"rows so far are in {PARTIAL})")
+  print(_finish(rows, out))
   print(f"rows, summary.md and plots in {out}")
 
 
 def run() -> None:
   """Console-script entry point."""
-  cli.run(main)
+  cli.run(main, HELP_GROUPS)
 
 
 if __name__ == "__main__":

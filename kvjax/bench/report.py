@@ -8,6 +8,8 @@ import pathlib
 from kvjax import plots
 
 MIB = 2**20
+# The PNG files ``plot`` writes.
+PLOTS = ("decode_ms_per_token.png", "peak_memory.png")
 
 
 def _label(row: dict) -> str:
@@ -60,6 +62,11 @@ def summary_markdown(rows: list[dict]) -> str:
   cells(lambda r, f: f"{r['kv_bytes'] / MIB:.1f}")
   lines += ["", "## Peak process memory (ru_maxrss), MiB", "", head, rule]
   cells(lambda r, f: f"{r['peak_rss_bytes'] / MIB:.0f}")
+  if any(r.get("estimated_bytes") for r in rows):
+    lines += ["", "## Estimated before running (weights + cache + activations), MiB", "",
+              head, rule]
+    cells(lambda r, f: "–" if not r.get("estimated_bytes") else
+          f"{r['estimated_bytes'] / MIB:.0f}")
   if any(r.get("buffer_peak_bytes") for r in rows):
     lines += ["", "## Peak of live jax buffers (arrays + a program's scratch), MiB", "",
               head, rule]
@@ -77,24 +84,28 @@ def plot(rows: list[dict], out: pathlib.Path) -> list[pathlib.Path]:
 
   peak_memory.png has a panel per measure of memory: the process's peak
   resident set and, where the rows have it, the peak of live jax buffers.
-  With one context length, each plot is a bar per policy.
+  With one context length, each plot is a bar per policy. Value axes are
+  linear from 0 (``plots.value_scale``); a panel whose values are equal within
+  1% says so on the plot (``plots.note_if_equal``).
   """
   series = collections.defaultdict(list)
   for r in rows:
     series[_label(r)].append(r)
-  memory = [(lambda r: r["peak_rss_bytes"] / MIB, "peak process memory (MiB)")]
+  memory = [(lambda r: r["peak_rss_bytes"] / MIB, "peak process memory (MiB)", "MiB")]
   if all(r.get("buffer_peak_bytes") for r in rows):
-    memory.append((lambda r: r["buffer_peak_bytes"] / MIB, "peak of live jax buffers (MiB)"))
+    memory.append((lambda r: r["buffer_peak_bytes"] / MIB, "peak of live jax buffers (MiB)",
+                   "MiB"))
   r0 = rows[0]
   paths = []
   for name, measures in (
-      ("decode_ms_per_token.png", [(lambda r: r["decode_ms_per_token"], "decode ms / token")]),
-      ("peak_memory.png", memory)):
+      (PLOTS[0], [(lambda r: r["decode_ms_per_token"], "decode ms / token", "ms")]),
+      (PLOTS[1], memory)):
     fig, axes = plots.panels(len(measures), 6, 4)
-    for ax, (key, ylabel) in zip(axes, measures):
+    for ax, (key, ylabel, unit) in zip(axes, measures):
       plots.compare(ax, {label: [(r["context_length"], key(r)) for r in rs]
                          for label, rs in series.items()},
                     xlabel="context length (tokens)", ylabel=ylabel)
+      plots.note_if_equal(ax, [key(r) for r in rows], unit=unit)
       ax.set_title(f"{r0['model']}, batch {r0['batch_size']}, {r0['device']}", fontsize=9)
     paths.append(plots.save(fig, out / name))
   return paths

@@ -10,7 +10,10 @@ Two ways to fill the cache before decoding:
                so this measures decoding at cache lengths past the model's
                context or a CPU's patience.
 Each timing follows a warm-up run of the same compiled program and ends with
-``block_until_ready``.
+``block_until_ready``. ``decode_steps`` is the number of decode forward passes
+timed: the run generates decode_steps + 1 tokens, the first of them sampled
+from the prefill's logits (no step of its own), so ``decode_ms_per_token`` is
+the time of one step exactly.
 
 With a compilation cache (JAX's persistent cache, ``compilation_cache``), a
 program compiled by an earlier run is loaded from it instead of compiled; the
@@ -31,6 +34,7 @@ import jax.numpy as jnp
 
 from kvjax import buffer_memory
 from kvjax import policies
+from kvjax.bench import memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +113,45 @@ def device_peak_bytes() -> int | None:
   return None if not stats else stats.get("peak_bytes_in_use")
 
 
+def new_tokens(cfg: BenchConfig) -> int:
+  """Tokens a run generates: the timed steps and the first token, which the prefill gives."""
+  return cfg.decode_steps + 1
+
+
+def resolve_fill(cfg: BenchConfig, model_config) -> str:
+  """"prompt" or "synthetic" (``cfg.fill`` "auto": a prompt where it fits the model's context).
+
+  Raises ValueError for a prompt that does not fit.
+  """
+  context = model_config.max_position_embeddings
+  fits = cfg.context_length + new_tokens(cfg) <= context
+  fill = cfg.fill if cfg.fill != "auto" else ("prompt" if fits else "synthetic")
+  if fill == "prompt" and not fits:
+    raise ValueError(f"a {cfg.context_length}-token prompt + {new_tokens(cfg)} new tokens "
+                     f"exceeds the model's context of {context}; use --fill=synthetic")
+  return fill
+
+
+def make_policy(cfg: BenchConfig, tokenizer=None):
+  """The configuration's policy (its observation window set), bound; ValueError for a bad budget."""
+  policy = policies.get(cfg.policy, **policies.window_fields(cfg.policy, cfg.window))
+  if tokenizer is not None:
+    policy = policy.bind(tokenizer)
+  policy.validate(cfg.budget)
+  return policy
+
+
+def estimate_memory(cfg: BenchConfig, lm, prompt_tokens: int | None = None) -> memory.Estimate:
+  """The configuration's memory estimate (kvjax.bench.memory) for the loaded model ``lm``."""
+  weights = sum(x.nbytes for x in jax.tree.leaves(lm.params))
+  return memory.estimate(
+      lm.config, weights=weights, itemsize=jnp.dtype(lm.dtype).itemsize,
+      policy=make_policy(cfg), budget=cfg.budget, context_length=cfg.context_length,
+      batch_size=cfg.batch_size, decode_steps=cfg.decode_steps,
+      fill=resolve_fill(cfg, lm.config), prefill_chunk=cfg.prefill_chunk,
+      page_size=cfg.page_size, prompt_tokens=prompt_tokens)
+
+
 def measure(cfg: BenchConfig, lm=None) -> dict:
   """Runs one configuration; returns its row (timings, bytes, how the cache was filled)."""
   import kvjax
@@ -118,25 +161,24 @@ def measure(cfg: BenchConfig, lm=None) -> dict:
   before = dict(_PROGRAMS)
   if lm is None:
     lm = kvjax.load(cfg.model, scan_layers=cfg.scan_layers, packed=cfg.packed)
-  fits = cfg.context_length + cfg.decode_steps <= lm.config.max_position_embeddings
-  fill = cfg.fill if cfg.fill != "auto" else ("prompt" if fits else "synthetic")
-  if fill == "prompt" and not fits:
-    raise ValueError(f"a {cfg.context_length}-token prompt + {cfg.decode_steps} steps exceeds "
-                     f"the model's context of {lm.config.max_position_embeddings}; "
-                     "use --fill=synthetic")
+  fill = resolve_fill(cfg, lm.config)
   fields = policies.window_fields(cfg.policy, cfg.window)
-  policy = policies.get(cfg.policy, **fields).bind(lm.tokenizer)
-  policy.validate(cfg.budget)
+  policy = make_policy(cfg, lm.tokenizer)
   load_peak, rss_loaded, rss_file = peak_rss_bytes(), rss_bytes(), rss_bytes("RssFile")
   run = _prompt_run if fill == "prompt" else synthetic_decode
   with buffer_memory.track() as buffers:
     row = run(lm, cfg, policy)
   decode_s = row.pop("decode_s")
-  steps = row.pop("steps")
+  steps = row.pop("steps")  # forward passes timed: cfg.decode_steps (no stop id ends a run)
+  estimate = estimate_memory(cfg, lm, prompt_tokens=row["prompt_tokens"])
   row.update({
       "model": cfg.model, "policy": cfg.policy, "policy_fields": fields,
       "budget": cfg.budget, "context_length": cfg.context_length,
-      "batch_size": cfg.batch_size, "decode_steps": steps, "prefill_chunk": cfg.prefill_chunk,
+      "batch_size": cfg.batch_size, "decode_steps": cfg.decode_steps,
+      "decode_note": (f"decode_s times {steps} decode steps (one forward pass each) of "
+                      f"{steps + 1} generated tokens: the first comes from the prefill's "
+                      "logits; decode_ms_per_token = decode_s / steps"),
+      "prefill_chunk": cfg.prefill_chunk,
       "fill": fill, "backend": kvjax.backend.resolve(cfg.backend), "scan_layers": lm.scan_layers,
       "packed": lm.packed,
       "device": jax.devices()[0].platform,
@@ -146,6 +188,7 @@ def measure(cfg: BenchConfig, lm=None) -> dict:
       "load_peak_rss_bytes": load_peak, "rss_file_after_load_bytes": rss_file,
       "device_peak_bytes": device_peak_bytes(),
       "buffer_peak_bytes": buffers.bytes, "buffer_peak_program": buffers.program,
+      "estimated_bytes": estimate.total, "estimated_parts": estimate.parts(),
       "compilation_cache": cfg.compilation_cache,
       "programs_compiled": (_PROGRAMS["programs"] - before["programs"]
                             - _PROGRAMS["from_cache"] + before["from_cache"]),
@@ -162,7 +205,9 @@ def measure(cfg: BenchConfig, lm=None) -> dict:
                       "(kvjax.buffer_memory), any backend; programs_compiled / "
                       "programs_from_cache: the programs this measurement compiled / "
                       "loaded from the compilation cache (loaded: the compiler's memory "
-                      "is not in the peaks)"),
+                      "is not in the peaks); estimated_bytes: weights + cache + "
+                      "activations as kvjax.bench.memory estimates them before running "
+                      "(estimated_parts; the cache's kv part is exact: kv_bytes)"),
   })
   return row
 
@@ -171,7 +216,7 @@ def _prompt_run(lm, cfg: BenchConfig, policy) -> dict:
   import kvjax
   sample = kvjax.tasks.make_sample(lm.tokenizer, "niah", length=cfg.context_length)
   prompts = [sample.prompt] * cfg.batch_size
-  kwargs = dict(policy=policy, budget=cfg.budget, max_new_tokens=cfg.decode_steps,
+  kwargs = dict(policy=policy, budget=cfg.budget, max_new_tokens=new_tokens(cfg),
                 stop_ids=[], backend=cfg.backend, page_size=cfg.page_size,
                 prefill_chunk=cfg.prefill_chunk)
   # Only the stats are kept: a run's result holds its cache, and a measured
@@ -204,9 +249,9 @@ def synthetic_cache(lm, cfg: BenchConfig, policy, seed: int = 0):
   c = lm.config
   n = cfg.context_length
   budgets = cache_budgets(lm, cfg, policy)
-  capacity = policy.capacity(budget=cfg.budget, prompt_len=n, extra_tokens=0,
-                             max_new_tokens=cfg.decode_steps, page_size=cfg.page_size,
-                             num_layers=c.num_layers)
+  capacity = memory.cache_capacity(policy, budget=cfg.budget, prompt_len=n,
+                                   new_tokens=new_tokens(cfg), page_size=cfg.page_size,
+                                   num_layers=c.num_layers)
   cache = PagedKVCache.create(batch_size=cfg.batch_size, capacity=capacity,
                               num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
                               head_dim=c.head_dim, page_size=cfg.page_size, dtype=lm.dtype)
@@ -255,12 +300,12 @@ def synthetic_decode(lm, cfg: BenchConfig, policy) -> dict:
     logits = jnp.zeros((cfg.batch_size, lm.config.vocab_size), jnp.float32)
     nxt = jnp.full((cfg.batch_size,), cfg.context_length, jnp.int32)
     _, steps, _, seconds, dt = generation.decode(
-        lm, cache, logits, nxt, policy=policy, limit=limit, max_new_tokens=cfg.decode_steps,
+        lm, cache, logits, nxt, policy=policy, limit=limit, max_new_tokens=new_tokens(cfg),
         backend=cfg.backend)
     del cache
     if i == 0:
       compile_s = dt
     elif best is None or seconds < best[0]:
-      best = (seconds, steps - 1)
+      best = (seconds, steps - 1)  # steps counts the first token too
   return {"prefill_s": None, "decode_s": best[0], "steps": best[1], "compile_s": compile_s,
           "kv_bytes": kv_bytes, "prompt_tokens": None}

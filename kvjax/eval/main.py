@@ -11,6 +11,8 @@ the rows already there), --out/summary.md and PNG plots, and prints the summary.
 
 from __future__ import annotations
 
+import pathlib
+
 from absl import flags
 
 from kvjax import cli
@@ -47,8 +49,14 @@ flags.DEFINE_bool("packed", _D.packed, "Keep a GGUF model's Q4_1 / Q8_0 matrices
 flags.DEFINE_string("out", "results/eval", "Output folder.")
 
 
-class UsageError(Exception):
-  """A bad flag or input: printed on one line, exit code 2."""
+# What --help lists, by group.
+HELP_GROUPS = (
+    ("what to run", ("model", "packed", "policies", "budgets", "backend")),
+    ("prompts", ("task", "dataset", "haystacks", "lengths", "depths", "num_samples", "seed")),
+    ("generation", ("query_aware", "window", "prefill_chunk", "max_new_tokens")),
+    ("scoring and output", ("metric", "out")),
+)
+UsageError = cli.UsageError
 
 
 def _numbers(name: str, kind):
@@ -60,9 +68,13 @@ def _numbers(name: str, kind):
 
 
 def config_from_flags() -> runner.EvalConfig:
-  """The run the flags describe (UsageError for a bad value)."""
+  """The run the flags describe (UsageError for a bad value).
+
+  Beyond EvalConfig's own checks: a budget above every synthetic prompt
+  length would keep whole prompts (nothing compressed, nothing measured).
+  """
   try:
-    return runner.EvalConfig(
+    cfg = runner.EvalConfig(
         model=FLAGS.model, policies=tuple(FLAGS.policies), budgets=_numbers("budgets", int),
         task=FLAGS.task, haystacks=tuple(FLAGS.haystacks), lengths=_numbers("lengths", int),
         depths=_numbers("depths", float), num_samples=FLAGS.num_samples, seed=FLAGS.seed,
@@ -71,6 +83,21 @@ def config_from_flags() -> runner.EvalConfig:
         metric=FLAGS.metric, packed=FLAGS.packed)
   except ValueError as e:
     raise UsageError(str(e)) from None
+  compressed = [p for p in cfg.policies if p != "full"]
+  if cfg.task != "dataset" and compressed and cfg.budgets and cfg.lengths:
+    if max(cfg.budgets) >= max(cfg.lengths):
+      raise UsageError(f"--budgets {max(cfg.budgets)} is not below the longest of --lengths "
+                       f"({max(cfg.lengths)}): {compressed[0]} would keep whole prompts")
+  return cfg
+
+
+def _rows_kept(out: str) -> int:
+  """Complete rows in ``out``/results.jsonl (what a rerun reuses)."""
+  from kvjax.eval import results
+  try:
+    return len(results.read_rows(pathlib.Path(out) / "results.jsonl").rows)
+  except (OSError, ValueError):
+    return 0
 
 
 def main(argv) -> None:
@@ -78,20 +105,24 @@ def main(argv) -> None:
     cli.fail(f"unexpected arguments {argv[1:]}")
   cli.quiet_logs()
   from kvjax.eval import report
+  cfg = config_from_flags()
+  cli.check_out_folder(FLAGS.out)
   try:
-    cfg = config_from_flags()
     rows = runner.run(cfg, FLAGS.out)
-  except (UsageError, ValueError, FileNotFoundError) as e:
-    # ValueError covers what the library rejects up front: an unknown policy or
-    # model, a budget a policy cannot honour, an unreadable dataset.
-    cli.fail(str(e))
+  except KeyboardInterrupt:
+    cli.interrupted(f"interrupted; {_rows_kept(FLAGS.out)} rows kept in {FLAGS.out}, "
+                    "rerun to resume")
+  except runner.EvalError as e:  # names the sample and its runs, and the cause's type
+    cli.fail(e)
+  # Bad input found before any work (unknown policy or model, a budget a policy
+  # cannot honour, an unreadable dataset: ValueError, OSError) ends in cli.call.
   print(report.write_report(rows, FLAGS.out))
   print(f"rows, summary.md and plots in {FLAGS.out}")
 
 
 def run() -> None:
   """Console-script entry point."""
-  cli.run(main)
+  cli.run(main, HELP_GROUPS)
 
 
 if __name__ == "__main__":
