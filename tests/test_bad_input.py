@@ -73,10 +73,41 @@ def _filled_cache():
     (dict(top_k=98), r"top_k must be an int in \[0, 97\], got 98"),
     (dict(temperature=float("nan")), "temperature must be a finite number >= 0, got nan"),
     (dict(questions=[[1], [2]]), "1 prompts but 2 questions"),
+    # Values of another type are refused, not converted.
+    (dict(temperature=True), "temperature must be a finite number >= 0, got True"),
+    (dict(policy="snapkv", budget=True), "budget must be a positive int, got True"),
+    (dict(top_k=2.0), r"top_k must be an int in \[0, 97\], got 2.0"),
+    (dict(seed=1.5), "seed must be an int, got 1.5"),
+    (dict(stop_ids=[97]), r"stop_ids must be token ids in \[0, 97\), got 97"),
+    (dict(query_aware="no"), "query_aware must be True or False, got 'no'"),
+    (dict(chat_template=1), "chat_template must be True or False, got 1"),
+    (dict(questions="?"), "this model has no tokenizer"),
 ])
 def test_generate_rejects(lm, kwargs, message):
   with pytest.raises(ValueError, match=message):
     kvjax.generate(lm, [[1, 2, 3]], max_new_tokens=2, **kwargs)
+
+
+@pytest.mark.parametrize("prompts, message", [
+    ([[1.0, 2.0]], "prompt 0 has a token id 1.0 of type float; ids are ints"),
+    ([[1, "2"]], "prompt 0 has a token id '2' of type str; ids are ints"),
+    ([[1, True]], "prompt 0 has a token id True of type bool; ids are ints"),
+    ([5], "prompt 0 must be a string or a list of token ids, got int"),
+    ([None], "prompt 0 must be a string or a list of token ids, got NoneType"),
+    (None, "prompts must be a string, a list of strings or a list of token-id lists"),
+    ([], "prompts is empty"),
+    ([[]], "prompt 0 is empty"),
+    ([[1, 97]], r"prompt 0 has token ids outside \[0, 97\)"),
+])
+def test_generate_rejects_prompts(lm, prompts, message):
+  with pytest.raises(ValueError, match=message):
+    kvjax.generate(lm, prompts, max_new_tokens=2)
+
+
+def test_generate_takes_numpy_ids(lm):
+  ids = np.array([[1, 2, 3], [4, 5, 6]], np.int64)
+  assert (kvjax.generate(lm, ids, max_new_tokens=2).token_ids
+          == kvjax.generate(lm, ids.tolist(), max_new_tokens=2).token_ids)
 
 
 def test_forward_rejects_a_prompt_longer_than_the_context(lm):

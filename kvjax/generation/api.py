@@ -134,7 +134,17 @@ def generate_each(
     temperature: 0 for greedy decoding, else sampling temperature.
     top_k: sample among the k most likely tokens (0 = all).
     seed: sampling seed.
-    chat_template: wrap each string prompt as a user turn of the model's chat template.
+    chat_template: wrap each string prompt as a user turn of the model's chat
+      template. With ``questions``, the prompt (the context) and its question
+      form one user turn, the question after the context, then the
+      assistant's header; the turn is cut where the question starts, so a
+      query-agnostic run compresses the template's head and the context, and
+      appends the question, the turn's end and the header uncompressed::
+
+        doc = kvjax.tasks.example_document()
+        kvjax.generate(lm, [doc.text], questions=[doc.question], chat_template=True,
+                       query_aware=False, policy="snapkv", budget=1152).texts[0]
+        # "The code to the lamp room's lock is 58213."
     stop_ids: ids that end a sequence (default: the tokenizer's stop ids).
     page_size: slots per cache page.
     backend: "auto", "xla", "pallas" or "native" for the kernels: paged decode attention,

@@ -99,10 +99,16 @@ def check(lm: LanguageModel, runs: Sequence[tuple[str | policies_lib.Policy, int
                        f"{cfg.max_position_embeddings} tokens")
   runs = [(policy.bind(lm.tokenizer), budget) for policy, budget in runs]
   temperature, top_k = options.temperature, options.top_k
-  if not isinstance(temperature, (int, float)) or not np.isfinite(temperature) or temperature < 0:
+  if (not isinstance(temperature, (int, float)) or isinstance(temperature, bool)
+      or not np.isfinite(temperature) or temperature < 0):
     raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
   if not _is_int(top_k) or not 0 <= top_k <= cfg.vocab_size:
     raise ValueError(f"top_k must be an int in [0, {cfg.vocab_size}], got {top_k!r}")
+  if not _is_int(options.seed):
+    raise ValueError(f"seed must be an int, got {options.seed!r}")
+  for token in options.stop_ids:
+    if not _is_int(token) or not 0 <= token < cfg.vocab_size:
+      raise ValueError(f"stop_ids must be token ids in [0, {cfg.vocab_size}), got {token!r}")
   return runs
 
 
@@ -114,12 +120,19 @@ def batch(lm: LanguageModel, prompts: Prompts, questions: Prompts | None, *, que
     ValueError: an empty or out-of-vocabulary prompt, a question count that is
       not the prompt count, or a prompt too long for the model's context.
   """
-  ids = _tokenize(lm, prompts, chat_template)
+  for name, flag in (("query_aware", query_aware), ("chat_template", chat_template)):
+    if not isinstance(flag, (bool, np.bool_)):
+      raise ValueError(f"{name} must be True or False, got {flag!r}")
+  prompts, questions = _as_list(prompts, "prompts"), (
+      None if questions is None else _as_list(questions, "questions"))
+  if questions is not None and len(questions) != len(prompts):
+    raise ValueError(f"{len(prompts)} prompts but {len(questions)} questions")
+  if chat_template:
+    prompts, questions = _chat_turns(lm, prompts, questions)
+  ids = _tokenize(lm, prompts, "prompt")
   question_ids = None
   if questions is not None:
-    question_ids = _tokenize(lm, questions, False)
-    if len(question_ids) != len(ids):
-      raise ValueError(f"{len(ids)} prompts but {len(question_ids)} questions")
+    question_ids = _tokenize(lm, questions, "question")
     if query_aware:
       ids, question_ids = [p + q for p, q in zip(ids, question_ids)], None
   q_lengths = np.array([len(x) for x in question_ids or [[]] * len(ids)], np.int32)
@@ -135,31 +148,89 @@ def batch(lm: LanguageModel, prompts: Prompts, questions: Prompts | None, *, que
 
 
 def _is_int(value) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool)
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
-def _tokenize(lm: LanguageModel, prompts: Prompts, chat_template: bool) -> list[list[int]]:
+def _as_list(prompts: Prompts, name: str) -> list:
   if isinstance(prompts, str):
-    prompts = [prompts]
-  prompts = list(prompts)
-  if not prompts:
-    raise ValueError("prompts is empty")
+    return [prompts]
+  if not isinstance(prompts, (Sequence, np.ndarray)) or isinstance(prompts, bytes):
+    raise ValueError(f"{name} must be a string, a list of strings or a list of token-id "
+                     f"lists, got {type(prompts).__name__}")
+  if not len(prompts):
+    raise ValueError(f"{name} is empty")
+  return list(prompts)
+
+
+# Stands for the question while the chat template renders, so the turn can be
+# cut where the question starts whatever markup the template adds around it.
+_QUESTION_MARK = "\ue000kvjax-question\ue000"
+
+
+def _chat_turns(lm: LanguageModel, prompts: list, questions: list | None):
+  """Each prompt (and its question) as one user turn of the model's chat template.
+
+  The context comes first and the question after it, in the same turn, then
+  the assistant's header. The rendered text is cut where the question starts:
+  the context's part (the template's head and the context) and the question's
+  part ("\\n", the question, the turn's end and the assistant's header), so
+  query-agnostic runs compress the context alone and append the rest.
+
+  Returns:
+    (contexts, questions): rendered strings; questions None without questions.
+  """
+  if lm.tokenizer is None:
+    raise ValueError("this model has no tokenizer; chat_template needs string prompts")
+  for name, texts in (("prompt", prompts), ("question", questions or ())):
+    for i, text in enumerate(texts):
+      if not isinstance(text, str):
+        raise ValueError(f"chat_template=True takes string prompts and questions; "
+                         f"{name} {i} is {type(text).__name__}")
+  if questions is None:
+    return [lm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
+            for p in prompts], None
+  contexts, tails = [], []
+  for context, question in zip(prompts, questions):
+    turn = f"{context}\n{_QUESTION_MARK}"
+    rendered = lm.tokenizer.apply_chat_template([{"role": "user", "content": turn}])
+    head, sep, tail = rendered.rpartition(_QUESTION_MARK)
+    if not sep:
+      raise ValueError("the model's chat template drops the user's text; pass prompts "
+                       "rendered with lm.tokenizer.chatml(...) and chat_template=False")
+    cut = len(head) - 1 if head.endswith("\n") else len(head)
+    contexts.append(head[:cut])
+    tails.append(head[cut:] + question + tail)
+  return contexts, tails
+
+
+def _tokenize(lm: LanguageModel, prompts: list, name: str) -> list[list[int]]:
+  """Token ids of each prompt: strings encoded, id lists checked (ints in the vocabulary)."""
   ids = []
+  vocab = lm.config.vocab_size
   for i, p in enumerate(prompts):
     if isinstance(p, str):
       if lm.tokenizer is None:
         raise ValueError("this model has no tokenizer; pass token ids instead of strings")
-      if chat_template:
-        p = lm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
       row = lm.tokenizer.encode(p)
     else:
-      row = [int(t) for t in p]
-      if any(t < 0 or t >= lm.config.vocab_size for t in row):
-        raise ValueError(f"prompt {i} has token ids outside [0, {lm.config.vocab_size})")
+      row = _token_ids(p, f"{name} {i}", vocab)
     if not row:
-      raise ValueError(f"prompt {i} is empty")
+      raise ValueError(f"{name} {i} is empty")
     ids.append(row)
   return ids
+
+
+def _token_ids(row, name: str, vocab: int) -> list[int]:
+  """A prompt given as ids: ints (numpy ints too) in [0, vocab); floats and strings refused."""
+  if isinstance(row, (bytes, dict)) or not isinstance(row, (Sequence, np.ndarray)):
+    raise ValueError(f"{name} must be a string or a list of token ids, got {type(row).__name__}")
+  for t in row:
+    if not _is_int(t):
+      raise ValueError(f"{name} has a token id {t!r} of type {type(t).__name__}; ids are ints")
+  row = [int(t) for t in row]
+  if any(t < 0 or t >= vocab for t in row):
+    raise ValueError(f"{name} has token ids outside [0, {vocab})")
+  return row
 
 
 def _pad(rows: list[list[int]], multiple: int) -> np.ndarray:

@@ -88,7 +88,7 @@ class Policy:
     """Raises ValueError for a budget this policy cannot honour."""
     if budget is None:
       raise ValueError(f"policy {self.name!r} needs a budget (KV entries per layer and KV head)")
-    if not isinstance(budget, int) or budget <= 0:
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
       raise ValueError(f"budget must be a positive int, got {budget!r}")
     if budget <= self.reserved():
       raise ValueError(
