@@ -1,13 +1,130 @@
-"""Model configuration for Llama-family decoders.
+"""Model configuration for Llama-family decoders, and the schema every config obeys.
 
 Dimension names used across kvjax (written once, used everywhere):
   B batch, T tokens, S cache slots, N query heads, K kv heads, G group (N // K),
   H head dim, D model width, F MLP width, V vocabulary, P pages, L layers.
+
+Every config, whether built in code or read from a checkpoint's config.json or
+GGUF metadata, passes one schema (``check_fields``) before anything is
+allocated: positive ints for the dimensions, finite positive floats for RoPE's
+base and the norm's epsilon, N a multiple of K, an even H, and an implied
+parameter count below ``MAX_PARAMETERS``. The loaders run it on the file's
+raw values, so that their messages name the file and its own key, and check
+every tensor's shape against the config before reading any.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+import os
+from collections.abc import Mapping
+from typing import Any
+
+# Far above any Llama-family checkpoint (the largest have ~4e11); a config
+# implying more has a wrong dimension, and is refused before any allocation.
+MAX_PARAMETERS = 10**12
+
+POSITIVE_INTS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "intermediate_size", "max_position_embeddings")
+POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta")
+BOOLS = ("tie_embeddings", "attention_bias")
+
+
+def is_int(value: Any) -> bool:
+  """An integer that is not a bool (JSON's true is not a dimension)."""
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value: Any) -> bool:
+  """A real number that is not a bool."""
+  return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_fields(values: Mapping[str, Any], source: str,
+                 keys: Mapping[str, str] | None = None) -> None:
+  """Checks the LlamaConfig fields present in ``values`` against the schema.
+
+  Args:
+    values: LlamaConfig field name -> raw value (fields absent are not checked).
+    source: what messages start with: "LlamaConfig", a config.json or GGUF path.
+    keys: field name -> the source's own name for it ("num_hidden_layers",
+      "llama.block_count"), for messages; the field's name where absent.
+
+  Raises:
+    ValueError: "<source>: <key> must be ..., got <value>", for the first field
+      of the wrong type or out of range, or fields that disagree.
+  """
+  keys = keys or {}
+
+  def bad(field, rule):
+    return ValueError(f"{source}: {keys.get(field, field)} must be {rule}, "
+                      f"got {values[field]!r}")
+
+  for field in POSITIVE_INTS:
+    if field in values and (not is_int(values[field]) or values[field] <= 0):
+      raise bad(field, "a positive int")
+  for field in POSITIVE_FLOATS:
+    value = values.get(field, 1.0)
+    if not is_real(value) or not math.isfinite(value) or value <= 0:
+      raise bad(field, "a finite positive number")
+  for field in BOOLS:
+    if field in values and not isinstance(values[field], bool):
+      raise bad(field, "true or false")
+  if "name" in values and not isinstance(values["name"], str):
+    raise bad("name", "a string")
+  heads, kv_heads = values.get("num_heads"), values.get("num_kv_heads")
+  if heads is not None and kv_heads is not None and heads % kv_heads:
+    raise bad("num_heads", f"a multiple of {keys.get('num_kv_heads', 'num_kv_heads')} "
+                           f"({kv_heads})")
+  if values.get("head_dim", 2) % 2:
+    raise bad("head_dim", "even (RoPE rotates pairs)")
+
+
+def parameter_count(values: Mapping[str, Any]) -> int:
+  """Parameters of a Llama decoder with these (checked) dimensions; Python ints, no overflow."""
+  v, d, l, f = (values["vocab_size"], values["hidden_size"], values["num_layers"],
+                values["intermediate_size"])
+  q = values["num_heads"] * values["head_dim"]  # N*H
+  kv = values["num_kv_heads"] * values["head_dim"]  # K*H
+  per_layer = 2 * d + d * (q + 2 * kv) + q * d + 3 * d * f
+  if values.get("attention_bias"):
+    per_layer += q + 2 * kv
+  head = 0 if values.get("tie_embeddings", True) else v * d
+  return v * d + head + d + l * per_layer
+
+
+def check_size(values: Mapping[str, Any], source: str) -> None:
+  """Refuses dimensions that imply more than MAX_PARAMETERS parameters (a wrong dimension)."""
+  count = parameter_count(values)
+  if count > MAX_PARAMETERS:
+    dims = ", ".join(f"{k}={values[k]}" for k in POSITIVE_INTS if k in values)
+    raise ValueError(f"{source}: the dimensions ({dims}) imply {count:.3g} parameters "
+                     f"({4 * count / 2**30:.3g} GiB as float32), more than the "
+                     f"{MAX_PARAMETERS:.0e} of any model kvjax loads; a dimension is wrong")
+
+
+def physical_memory() -> int | None:
+  """Bytes of this machine's physical memory, or None where the OS does not say."""
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError, AttributeError):
+    return None
+
+
+def check_host_memory(config: LlamaConfig, source: str, bytes_per_parameter: int = 4) -> None:
+  """Refuses a load whose host copy of the weights exceeds the machine's physical memory.
+
+  The loaders hold every weight on the host (float32: 4 bytes a parameter)
+  before the model is built; a checkpoint larger than the machine's memory
+  would fail partway through with a MemoryError, or be killed.
+  """
+  need, have = config.num_parameters * bytes_per_parameter, physical_memory()
+  if have is not None and need > have:
+    raise ValueError(f"{source}: the weights need {need / 2**30:.1f} GiB of host memory "
+                     f"({config.num_parameters:.3g} parameters, {bytes_per_parameter} bytes "
+                     f"each), more than this machine's {have / 2**30:.1f} GiB")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,8 +137,14 @@ class RopeScaling:
   original_max_position_embeddings: int = 8192  # context of the unscaled model
 
   def __post_init__(self):
-    if self.factor <= 0 or self.low_freq_factor <= 0:
-      raise ValueError(f"RopeScaling factors must be positive, got {self}")
+    for field in ("factor", "low_freq_factor", "high_freq_factor"):
+      value = getattr(self, field)
+      if not is_real(value) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"RopeScaling.{field} must be a finite positive number, got {value!r}")
+    if not is_int(self.original_max_position_embeddings) or \
+        self.original_max_position_embeddings <= 0:
+      raise ValueError("RopeScaling.original_max_position_embeddings must be a positive int, "
+                       f"got {self.original_max_position_embeddings!r}")
     if self.high_freq_factor <= self.low_freq_factor:
       raise ValueError(
           f"high_freq_factor ({self.high_freq_factor}) must exceed "
@@ -48,19 +171,23 @@ class LlamaConfig:
   name: str = "llama"  # for messages and result rows
 
   def __post_init__(self):
-    for field in ("vocab_size", "hidden_size", "num_layers", "num_heads",
-                  "num_kv_heads", "head_dim", "intermediate_size"):
-      value = getattr(self, field)
-      if not isinstance(value, int) or value <= 0:
-        raise ValueError(f"LlamaConfig.{field} must be a positive int, got {value!r}")
-    if self.num_heads % self.num_kv_heads:
-      raise ValueError(
-          f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-          f"({self.num_kv_heads})")
-    if self.head_dim % 2:
-      raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+    values = _values(self)
+    check_fields(values, "LlamaConfig")
+    check_size(values, "LlamaConfig")
+    if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+      raise ValueError(f"LlamaConfig.rope_scaling must be a RopeScaling or None, "
+                       f"got {self.rope_scaling!r}")
 
   @property
   def group_size(self) -> int:
     """G: query heads per KV head."""
     return self.num_heads // self.num_kv_heads
+
+  @property
+  def num_parameters(self) -> int:
+    """Parameters of the model (embedding, layers, final norm, and lm_head when untied)."""
+    return parameter_count(_values(self))
+
+
+def _values(config: LlamaConfig) -> dict[str, Any]:
+  return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}

@@ -39,6 +39,7 @@ import gguf
 import numpy as np
 
 from kvjax.kernels import quantized
+from kvjax.models import config as config_lib
 from kvjax.models.config import LlamaConfig, RopeScaling
 
 # Per-layer GGUF tensor stem -> canonical key. Every one is required.
@@ -241,43 +242,70 @@ def _rope_scaling(fields: dict[str, Any], rope_freqs: np.ndarray | None, head_di
                    f"scaling; got factors {rope_freqs.round(3).tolist()}")
 
 
+# LlamaConfig field -> the GGUF metadata key it is read from.
+_KEYS = {
+    "hidden_size": "llama.embedding_length",
+    "num_layers": "llama.block_count",
+    "num_heads": "llama.attention.head_count",
+    "num_kv_heads": "llama.attention.head_count_kv",
+    "head_dim": "llama.attention.key_length",
+    "intermediate_size": "llama.feed_forward_length",
+    "rms_norm_eps": "llama.attention.layer_norm_rms_epsilon",
+    "rope_theta": "llama.rope.freq_base",
+    "max_position_embeddings": "llama.context_length",
+    "vocab_size": "token_embd.weight (its rows)",
+}
+_REQUIRED = ("hidden_size", "num_layers", "num_heads", "intermediate_size")
+
+
+def _config_values(meta: GGUFMetadata, vocab_size: int) -> dict[str, Any]:
+  """LlamaConfig dimensions of the metadata, checked against the schema (config.py)."""
+  fields, path = meta.fields, meta.path
+  values = {field: fields[key] for field, key in _KEYS.items() if key in fields}
+  missing = [_KEYS[field] for field in _REQUIRED if field not in values]
+  if missing:
+    raise ValueError(f"{path}: metadata key {missing[0]!r} is missing")
+  values["vocab_size"] = vocab_size
+  config_lib.check_fields(values, path, _KEYS)
+  hidden, heads = values["hidden_size"], values["num_heads"]
+  values.setdefault("num_kv_heads", heads)
+  values.setdefault("head_dim", hidden // heads)
+  config_lib.check_fields(values, path, _KEYS)  # the derived values too
+  rot_dim = fields.get("llama.rope.dimension_count", values["head_dim"])
+  if rot_dim != values["head_dim"]:
+    raise ValueError(f"{path}: partial rotary embedding (rope.dimension_count "
+                     f"{rot_dim!r} vs head_dim {values['head_dim']}) is not supported")
+  return values
+
+
 def _config(meta: GGUFMetadata, tensors: dict[str, gguf.ReaderTensor],
             rope_freqs: np.ndarray | None) -> LlamaConfig:
-  fields, path = meta.fields, meta.path
-
-  def need(key):
-    full = f"llama.{key}"
-    if full not in fields:
-      raise ValueError(f"{path}: metadata key {full!r} is missing")
-    return fields[full]
-
+  path = meta.path
   if "token_embd.weight" not in tensors:
     raise ValueError(f"{path}: required tensor 'token_embd.weight' is missing")
   # GGUF lists dimensions fastest-first, so the embedding reads [D, V].
-  vocab_size = int(tensors["token_embd.weight"].shape[-1])
-  hidden = int(need("embedding_length"))
-  heads = int(need("attention.head_count"))
-  head_dim = int(fields.get("llama.attention.key_length", hidden // heads))
-  rot_dim = int(fields.get("llama.rope.dimension_count", head_dim))
-  if rot_dim != head_dim:
-    raise ValueError(f"{path}: partial rotary embedding (rope.dimension_count "
-                     f"{rot_dim} vs head_dim {head_dim}) is not supported")
-  theta = float(fields.get("llama.rope.freq_base", 10000.0))
+  values = _config_values(meta, int(tensors["token_embd.weight"].shape[-1]))
+  values["tie_embeddings"] = "output.weight" not in tensors
+  config_lib.check_size(values, path)
+  theta = float(values.pop("rope_theta", 10000.0))
   return LlamaConfig(
-      vocab_size=vocab_size,
-      hidden_size=hidden,
-      num_layers=int(need("block_count")),
-      num_heads=heads,
-      num_kv_heads=int(fields.get("llama.attention.head_count_kv", heads)),
-      head_dim=head_dim,
-      intermediate_size=int(need("feed_forward_length")),
-      rms_norm_eps=float(fields.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+      **values,
       rope_theta=theta,
-      rope_scaling=_rope_scaling(fields, rope_freqs, head_dim, theta, path),
-      max_position_embeddings=int(fields.get("llama.context_length", 8192)),
-      tie_embeddings="output.weight" not in tensors,
-      name=meta.name,
+      rope_scaling=_rope_scaling(meta.fields, rope_freqs, values["head_dim"], theta, path),
+      name=str(meta.name),
   )
+
+
+def _stored_shapes(config: LlamaConfig, shapes: dict[str, tuple[int, ...]]
+                   ) -> dict[str, tuple[int, ...]]:
+  """GGUF tensor name -> its shape slowest dimension first (matrices [out, in])."""
+  stored = {"token_embd.weight": shapes["embed"], "output_norm.weight": shapes["final_norm"]}
+  if not config.tie_embeddings:
+    stored["output.weight"] = shapes["lm_head"][::-1]
+  for stem, key in _LAYER_TENSORS.items():
+    for i in range(config.num_layers):
+      stored[f"blk.{i}.{stem}.weight"] = shapes[key][1:][::-1]
+  return stored
 
 
 def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
@@ -309,8 +337,10 @@ def load_gguf(path: str | os.PathLike, *, packed: bool = False
 
   Raises:
     ValueError: a truncated or corrupt file, another architecture, a missing
-      tensor or metadata key, or a tensor whose shape disagrees with the
-      metadata; the message starts with the file's path.
+      tensor or metadata key, a metadata value that breaks the config schema
+      (config.py), or a tensor whose shape disagrees with the metadata; all
+      checked before any weight is allocated, the message starting with the
+      file's path.
   """
   path = os.fspath(path)
   reader = _open(path)
@@ -333,17 +363,26 @@ def load_gguf(path: str | os.PathLike, *, packed: bool = False
     return (packed and all(t is not None and _packable(t) for t in found)
             and len({t.tensor_type for t in found}) == 1)
 
-  def fetch(name: str, want: tuple[int, ...], keep: bool = False) -> np.ndarray:
-    """GGUF tensor `name` as float32 [out, in] (or [D]), or its rows of blocks; shape-checked."""
+  def check(name: str, want: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of GGUF tensor `name`, slowest dimension first, if it is `want`."""
     if name not in tensors:
       raise ValueError(f"{path}: required tensor {name!r} is missing")
-    tensor = tensors[name]
-    got = tuple(int(x) for x in reversed(tensor.shape.tolist()))
+    got = tuple(int(x) for x in reversed(tensors[name].shape.tolist()))
     if got != want:
       raise ValueError(f"{path}: tensor {name!r} expected shape {want}, got {got}")
+    return got
+
+  def fetch(name: str, want: tuple[int, ...], keep: bool = False) -> np.ndarray:
+    """GGUF tensor `name` as float32 [out, in] (or [D]), or its rows of blocks; shape-checked."""
+    got, tensor = check(name, want), tensors[name]
     # A copy either way: no weight views the file, whose map goes with the reader.
     return np.array(tensor.data, np.uint8).reshape(got[0], -1) if keep else _dequantize(tensor)
 
+  # Every tensor's header agrees with the config before anything is allocated.
+  for name, want in _stored_shapes(config, shapes).items():
+    check(name, want)
+  if not packed:  # (packed blocks take a fraction of that)
+    config_lib.check_host_memory(config, path)
   # The embedding is [V, D], float or packed; lm_head [D, V] float or [V, R] packed.
   weights = {"embed": fetch("token_embd.weight", shapes["embed"],
                             keep_packed(["token_embd.weight"])),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import pathlib
 from typing import Any
@@ -19,6 +20,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors import safe_open
 
+from kvjax.models import config as config_lib
 from kvjax.models.config import LlamaConfig, RopeScaling
 from kvjax.models.gguf_loader import canonical_shapes
 
@@ -39,39 +41,76 @@ _LAYER_TENSORS = {
 _LLAMA_LIKE = ("llama", "mistral")
 
 
+# LlamaConfig field -> the config.json key it is read from.
+_KEYS = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "intermediate_size": "intermediate_size",
+    "rms_norm_eps": "rms_norm_eps",
+    "max_position_embeddings": "max_position_embeddings",
+    "tie_embeddings": "tie_word_embeddings",
+}
+_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+             "intermediate_size")
+# Keys that may be absent or null (a default or a value derived from others).
+_OPTIONAL = {"num_key_value_heads", "head_dim"}
+
+
+def _number(table: dict[str, Any], key: str, where: str, default=None) -> float:
+  """table[key] as a finite float; an absent key gives `default` (None: required)."""
+  value = table.get(key, default)
+  if value is None:
+    raise ValueError(f"{where}: {key} is missing")
+  if not config_lib.is_real(value) or not math.isfinite(value):
+    raise ValueError(f"{where}: {key} must be a finite number, got {value!r}")
+  return float(value)
+
+
 def _rope(cfg: dict[str, Any], path: pathlib.Path) -> tuple[float, RopeScaling | None]:
   """(rope_theta, scaling) from either transformers 4 or 5 style config.json."""
   # transformers >= 5 writes `rope_parameters`; older files `rope_theta` + `rope_scaling`.
+  for key in ("rope_parameters", "rope_scaling"):
+    if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+      raise ValueError(f"{path}: {key} must be an object or null, got {cfg[key]!r}")
   params = dict(cfg.get("rope_parameters") or {})
   scaling = dict(cfg.get("rope_scaling") or {})
-  theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+  theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+  config_lib.check_fields({"rope_theta": theta}, str(path))
   merged = {**scaling, **params}
   kind = merged.get("rope_type", merged.get("type", "default"))
   if kind in ("default", None):
-    return theta, None
+    return float(theta), None
   if kind != "llama3":
     raise ValueError(f"{path}: rope scaling type {kind!r} is not supported; "
                      "kvjax implements plain RoPE and 'llama3' scaling")
-  return theta, RopeScaling(
-      factor=float(merged["factor"]),
-      low_freq_factor=float(merged["low_freq_factor"]),
-      high_freq_factor=float(merged["high_freq_factor"]),
-      original_max_position_embeddings=int(merged["original_max_position_embeddings"]))
+  where = f"{path}: rope scaling"
+  original = merged.get("original_max_position_embeddings")
+  if not config_lib.is_int(original):
+    raise ValueError(f"{where}: original_max_position_embeddings must be a positive int, "
+                     f"got {original!r}")
+  factors = {key: _number(merged, key, where)
+             for key in ("factor", "low_freq_factor", "high_freq_factor")}
+  try:
+    return float(theta), RopeScaling(**factors, original_max_position_embeddings=original)
+  except ValueError as e:
+    raise ValueError(f"{where}: {e}") from None
 
 
-def config_from_json(path: str | os.PathLike) -> LlamaConfig:
-  """Reads a Hugging Face `config.json` of a Llama-like model."""
-  path = pathlib.Path(path)
+def _read_json_object(path: pathlib.Path) -> dict[str, Any]:
   try:
     cfg = json.loads(path.read_text(encoding="utf-8"))
-  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+  except (UnicodeDecodeError, ValueError, RecursionError) as e:
     raise ValueError(f"{path}: not valid JSON: {e}") from e
   if not isinstance(cfg, dict):
     raise ValueError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
-  missing = [key for key in ("vocab_size", "hidden_size", "num_hidden_layers",
-                             "num_attention_heads", "intermediate_size") if key not in cfg]
-  if missing:
-    raise ValueError(f"{path}: required key(s) {missing} missing")
+  return cfg
+
+
+def _check_architecture(cfg: dict[str, Any], path: pathlib.Path) -> None:
   model_type = cfg.get("model_type")
   if model_type not in _LLAMA_LIKE:
     raise ValueError(f"{path}: model_type {model_type!r} is not supported; "
@@ -81,31 +120,49 @@ def config_from_json(path: str | os.PathLike) -> LlamaConfig:
                      "is not supported")
   if cfg.get("attention_bias") or cfg.get("mlp_bias"):
     raise ValueError(f"{path}: attention or MLP biases are not supported")
-  heads = int(cfg["num_attention_heads"])
-  hidden = int(cfg["hidden_size"])
+
+
+def config_from_json(path: str | os.PathLike) -> LlamaConfig:
+  """Reads a Hugging Face `config.json` of a Llama-like model.
+
+  Every dimension is checked (config.py's schema) before the config exists,
+  so nothing is allocated for a file with missing, mistyped or absurd values.
+
+  Raises:
+    ValueError: "<path>: <key> must be ..." naming the file and its key.
+  """
+  path = pathlib.Path(path)
+  cfg = _read_json_object(path)
+  missing = [key for key in _REQUIRED if key not in cfg]
+  if missing:
+    raise ValueError(f"{path}: required key(s) {missing} missing")
+  _check_architecture(cfg, path)
+  values = {field: cfg[key] for field, key in _KEYS.items()
+            if key in cfg and not (key in _OPTIONAL and cfg[key] is None)}
+  values.setdefault("tie_embeddings", False)
+  config_lib.check_fields(values, str(path), _KEYS)
+  heads, hidden = values["num_heads"], values["hidden_size"]
+  values.setdefault("num_kv_heads", heads)
+  if "head_dim" not in values:
+    if hidden % heads:
+      raise ValueError(f"{path}: hidden_size ({hidden}) is not a multiple of "
+                       f"num_attention_heads ({heads}) and no head_dim is given")
+    values["head_dim"] = hidden // heads
+  config_lib.check_fields(values, str(path), _KEYS)  # the derived values too
+  config_lib.check_size(values, str(path))
   theta, scaling = _rope(cfg, path)
-  return LlamaConfig(
-      vocab_size=int(cfg["vocab_size"]),
-      hidden_size=hidden,
-      num_layers=int(cfg["num_hidden_layers"]),
-      num_heads=heads,
-      num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-      head_dim=int(cfg.get("head_dim") or hidden // heads),
-      intermediate_size=int(cfg["intermediate_size"]),
-      rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-      rope_theta=theta,
-      rope_scaling=scaling,
-      max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
-      tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-      name=cfg.get("_name_or_path") or path.parent.name,
-  )
+  name = cfg.get("_name_or_path") or path.parent.name
+  return LlamaConfig(**values, rope_theta=theta, rope_scaling=scaling, name=str(name))
 
 
 def _shard_of_tensor(folder: pathlib.Path) -> dict[str, pathlib.Path]:
   """Tensor name -> file that holds it."""
   index = folder / "model.safetensors.index.json"
   if index.is_file():
-    weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    weight_map = _read_json_object(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(file, str) for file in weight_map.values()):
+      raise ValueError(f"{index}: weight_map must be an object of tensor name -> file name")
     return {name: folder / file for name, file in weight_map.items()}
   files = sorted(folder.glob("*.safetensors"))
   if not files:
@@ -153,7 +210,8 @@ class _Reader:
       self._handles[key] = self._stack.enter_context(_safe_open(file, framework))
     return self._handles[key]
 
-  def get(self, name: str, want: tuple[int, ...]) -> np.ndarray:
+  def check(self, name: str, want: tuple[int, ...]):
+    """The open shard holding tensor ``name``, whose header says shape ``want``; reads no data."""
     file = self._where.get(name)
     if file is None:
       raise ValueError(f"{self._folder}: required tensor {name!r} is missing")
@@ -163,6 +221,11 @@ class _Reader:
     got = tuple(handle.get_slice(name).get_shape())
     if got != want:
       raise ValueError(f"{file}: tensor {name!r} expected shape {want}, got {got}")
+    return file, handle
+
+  def get(self, name: str, want: tuple[int, ...]) -> np.ndarray:
+    """Tensor ``name`` as float32, after ``check``."""
+    file, handle = self.check(name, want)
     if handle.get_slice(name).get_dtype() == "BF16":
       # numpy has no bfloat16; the flax reader returns a jax array we widen on host.
       import jax  # pylint: disable=g-import-not-at-top
@@ -181,25 +244,36 @@ def load_safetensors(directory: str | os.PathLike) -> tuple[LlamaConfig, dict[st
     (config, weights) with weights as documented in gguf_loader.py.
 
   Raises:
-    ValueError: unsupported model type, a missing tensor, or a wrong shape.
+    ValueError: unsupported model type, a config.json value that breaks the
+      schema (config.py), a missing tensor, or a wrong shape; checked before
+      any weight is allocated, the message naming the file.
   """
   folder = pathlib.Path(directory)
   if not (folder / "config.json").is_file():
     raise ValueError(f"{folder}: no config.json (expected a Hugging Face checkpoint folder)")
   config = config_from_json(folder / "config.json")
   shapes = canonical_shapes(config)
+  # Hugging Face stores matrices [out, in]; canonical ones are [in, out].
+  stored = {"model.embed_tokens.weight": shapes["embed"], "model.norm.weight": shapes["final_norm"]}
+  if not config.tie_embeddings:
+    stored["lm_head.weight"] = shapes["lm_head"][::-1]
+  for i in range(config.num_layers):
+    for suffix, key in _LAYER_TENSORS.items():
+      stored[f"model.layers.{i}.{suffix}"] = shapes[key][1:][::-1]
   weights = {}
   with _Reader(_shard_of_tensor(folder), folder) as reader:
+    # Every header agrees with the config before anything is allocated.
+    for name, want in stored.items():
+      reader.check(name, want)
+    config_lib.check_host_memory(config, str(folder))
     weights["embed"] = reader.get("model.embed_tokens.weight", shapes["embed"])
     weights["final_norm"] = reader.get("model.norm.weight", shapes["final_norm"])
     if not config.tie_embeddings:
-      # Hugging Face stores [out, in] = [V, D]; canonical is [in, out].
-      weights["lm_head"] = reader.get("lm_head.weight", shapes["lm_head"][::-1]).T.copy()
+      weights["lm_head"] = reader.get("lm_head.weight", stored["lm_head.weight"]).T.copy()
     for key in _LAYER_TENSORS.values():
       weights[key] = np.empty(shapes[key], np.float32)
     for i in range(config.num_layers):
       for suffix, key in _LAYER_TENSORS.items():
-        per_layer = shapes[key][1:]
-        w = reader.get(f"model.layers.{i}.{suffix}", per_layer[::-1])
-        weights[key][i] = w.T
+        name = f"model.layers.{i}.{suffix}"
+        weights[key][i] = reader.get(name, stored[name]).T
   return config, weights
