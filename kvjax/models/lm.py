@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import functools
 import os
+import pathlib
 from typing import Any, Mapping
 
 import jax
@@ -64,6 +65,23 @@ class LanguageModel:
   def scan_layers(self) -> bool:
     """Whether the layers are stacked and scanned (else one module per layer, unrolled)."""
     return 0 not in self.params["layers"]  # unrolled layers are keyed 0..L-1
+
+  def require_tokenizer(self, purpose: str = "text"):
+    """The tokenizer, or a ValueError naming the model, what is missing and why it is needed.
+
+    A checkpoint folder without a ``tokenizer.json`` loads (token-id prompts
+    need no tokenizer); what needs text asks for the tokenizer here.
+    """
+    if self.tokenizer is not None:
+      return self.tokenizer
+    folder = pathlib.Path(self.source)
+    if not folder.is_dir():
+      raise ValueError(f"{self.source}: this model has no tokenizer, so {purpose} cannot be "
+                       "encoded; pass token ids")
+    other = [f.name for f in (folder / "tokenizer.model", folder / "vocab.json") if f.is_file()]
+    found = f" (it has {', '.join(other)}, which kvjax does not read)" if other else ""
+    raise ValueError(f"{folder}: no tokenizer.json in the folder{found}, so {purpose} cannot be "
+                     "encoded; add the checkpoint's tokenizer.json, or pass token ids")
 
   def forward(self, token_ids) -> jax.Array:
     """Full causal attention, no cache: token_ids [B, T] -> float32 logits [B, T, V]."""
@@ -274,6 +292,11 @@ def load(name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype=jnp
   about a quarter (Q8_0) of float32's memory, and a decode step that reads
   that much less; on CPU the native kernels multiply by the blocks in place.
   Other tensors, and safetensors checkpoints, load as floats.
+
+  A checkpoint folder without ``tokenizer.json`` loads with ``tokenizer``
+  None: generation from token ids works, and whatever needs text raises a
+  ValueError naming the folder (``LanguageModel.require_tokenizer``). A chat
+  template that does not compile is reported when a chat prompt is asked for.
   """
   from kvjax.models import registry  # pylint: disable=g-import-not-at-top
   path = registry.resolve(name_or_path, cache_dir=cache_dir)

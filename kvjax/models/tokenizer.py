@@ -79,7 +79,18 @@ def _token_content(value: Any) -> str | None:
   return value
 
 
-def _compile_template(source: str) -> jinja2.Template:
+def _compile_template(source: Any, origin: str) -> jinja2.Template:
+  """The jinja template of ``source``; a ValueError naming ``origin`` if it does not compile."""
+  if not isinstance(source, str):
+    raise ValueError(f"the chat template of {origin} is not a string: {type(source).__name__}")
+  try:
+    return _template_environment().from_string(source)
+  except jinja2.exceptions.TemplateSyntaxError as e:
+    raise ValueError(f"the chat template of {origin} does not compile: {e.message} "
+                     f"(template line {e.lineno})") from None
+
+
+def _template_environment() -> jinja2.Environment:
   # Same environment as transformers' apply_chat_template, so a template renders
   # to the same string: sandboxed, trim/lstrip blocks, loop controls, and the
   # helpers chat templates call.
@@ -97,7 +108,44 @@ def _compile_template(source: str) -> jinja2.Template:
   env.filters["tojson"] = tojson
   env.globals["raise_exception"] = raise_exception
   env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-  return env.from_string(source)
+  return env
+
+
+def _read_json_object(file: pathlib.Path) -> dict[str, Any]:
+  """A JSON object file of a tokenizer's folder; {} when the file is absent."""
+  if not file.is_file():
+    return {}
+  try:
+    value = json.loads(file.read_text(encoding="utf-8"))
+  except (UnicodeDecodeError, ValueError, RecursionError) as e:
+    raise ValueError(f"{file}: not valid JSON: {e}") from None
+  if not isinstance(value, dict):
+    raise ValueError(f"{file}: expected a JSON object, got {type(value).__name__}")
+  return value
+
+
+def _folder_chat_template(folder: pathlib.Path, config: Mapping[str, Any]) -> tuple[Any, str]:
+  """(chat template source or None, where it came from) of a Hugging Face tokenizer folder."""
+  config_file = folder / "tokenizer_config.json"
+  template = config.get("chat_template")
+  if isinstance(template, list):  # named templates; the default is for chat
+    named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+    template = named.get("default")
+  if template is not None:
+    return template, f"{config_file} (chat_template)"
+  jinja_file = folder / "chat_template.jinja"
+  if jinja_file.is_file():
+    return jinja_file.read_text(encoding="utf-8", errors="replace"), str(jinja_file)
+  return None, str(config_file)
+
+
+def _generation_stop_ids(file: pathlib.Path) -> tuple[int, ...]:
+  """generation_config.json's eos_token_id (an int or a list of ints) as a tuple."""
+  ids = _read_json_object(file).get("eos_token_id")
+  ids = [] if ids is None else ids if isinstance(ids, list) else [ids]
+  if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+    raise ValueError(f"{file}: eos_token_id must be a token id or a list of them, got {ids!r}")
+  return tuple(ids)
 
 
 def _check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
@@ -130,6 +178,7 @@ class _Specials:
   add_bos: bool
   chat_template: str | None
   extra_stop_ids: tuple[int, ...] = ()
+  template_origin: str = "this tokenizer"  # where the chat template came from, for messages
 
 
 class Tokenizer:
@@ -141,8 +190,9 @@ class Tokenizer:
   def __init__(self, backend: tokenizers.Tokenizer, specials: _Specials):
     self._backend = backend
     self._specials = specials
-    self._template = (_compile_template(specials.chat_template)
-                      if specials.chat_template else None)
+    # Compiled when a chat prompt is first asked for: a template that does not
+    # compile costs only chat prompts, not the model's loading or plain text.
+    self._template = None
     special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
     ends = [specials.eos_id] + [backend.token_to_id(t) for t in _END_OF_TURN_TOKENS]
     ends = [i for i in ends if i is not None and (i == specials.eos_id or i in special)]
@@ -154,8 +204,9 @@ class Tokenizer:
   @classmethod
   def from_gguf_metadata(cls, data: GGUFTokenizerData | GGUFMetadata) -> Tokenizer:
     """Builds the tokenizer stored in a GGUF file's `tokenizer.*` metadata."""
+    origin = "GGUF metadata"
     if isinstance(data, GGUFMetadata):
-      data = data.tokenizer
+      origin, data = data.path, data.tokenizer
     if data.model != "gpt2":
       raise ValueError(
           f"GGUF tokenizer model {data.model!r} (tokenizer.ggml.model) is not supported; "
@@ -180,7 +231,8 @@ class Tokenizer:
       backend.add_tokens(user)
     return cls(backend, _Specials(bos_id=data.bos_id, eos_id=data.eos_id,
                                   pad_id=data.pad_id, add_bos=data.add_bos,
-                                  chat_template=data.chat_template))
+                                  chat_template=data.chat_template,
+                                  template_origin=f"{origin} (tokenizer.chat_template)"))
 
   @classmethod
   def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
@@ -200,38 +252,32 @@ class Tokenizer:
     if not path.is_file():
       raise ValueError(f"no tokenizer file at {path}")
     folder = path.parent
-    backend = tokenizers.Tokenizer.from_file(str(path))
-
-    def read_json(name):
-      file = folder / name
-      return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
-
-    config = read_json("tokenizer_config.json")
-    generation = read_json("generation_config.json")
+    try:
+      backend = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for any bad file
+      raise ValueError(f"{path}: not a readable tokenizer.json: {e}") from None
+    config_file = folder / "tokenizer_config.json"
+    config = _read_json_object(config_file)
 
     def token_id(key):
       content = _token_content(config.get(key))
+      if content is not None and not isinstance(content, str):
+        raise ValueError(f"{config_file}: {key} must be a string or an object with a string "
+                         f"'content', got {config.get(key)!r}")
       return backend.token_to_id(content) if content is not None else None
 
+    origin = "the chat_template argument"
     if chat_template is None:
-      chat_template = config.get("chat_template")
-      if isinstance(chat_template, list):  # named templates; the default is for chat
-        named = {t.get("name"): t.get("template") for t in chat_template}
-        chat_template = named.get("default")
-      jinja_file = folder / "chat_template.jinja"
-      if chat_template is None and jinja_file.is_file():
-        chat_template = jinja_file.read_text(encoding="utf-8")
+      chat_template, origin = _folder_chat_template(folder, config)
+    extra = _generation_stop_ids(folder / "generation_config.json")
     eos = token_id("eos_token")
-    gen_eos = generation.get("eos_token_id")
-    if gen_eos is None:
-      gen_eos = []
-    extra = tuple(int(i) for i in (gen_eos if isinstance(gen_eos, list) else [gen_eos]))
     if eos is None and extra:
       eos = extra[0]
     return cls(backend, _Specials(bos_id=token_id("bos_token"), eos_id=eos,
                                   pad_id=token_id("pad_token"),
                                   add_bos=bool(config.get("add_bos_token", False)),
-                                  chat_template=chat_template, extra_stop_ids=extra))
+                                  chat_template=chat_template, extra_stop_ids=extra,
+                                  template_origin=origin))
 
   # --- properties -----------------------------------------------------------
 
@@ -329,9 +375,17 @@ class Tokenizer:
 
     Returns:
       The prompt text; encode it with `encode` (special tokens are recognized).
+
+    Raises:
+      ValueError: no chat template, one that does not compile (reported here,
+        not when the model loads), or one that fails on these messages; the
+        message names where the template came from.
     """
-    if self._template is None:
+    if self._specials.chat_template in (None, ""):
       raise ValueError("this model ships no chat template; use chatml() or plain text")
+    if self._template is None:
+      self._template = _compile_template(self._specials.chat_template,
+                                         self._specials.template_origin)
     _check_messages(messages)
 
     def token(token_id):
@@ -340,8 +394,12 @@ class Tokenizer:
     variables = dict(bos_token=token(self.bos_id), eos_token=token(self.eos_id),
                      pad_token=token(self._specials.pad_id))
     variables.update(kwargs)
-    return self._template.render(messages=[dict(m) for m in messages],
-                                 add_generation_prompt=add_generation_prompt, **variables)
+    try:
+      return self._template.render(messages=[dict(m) for m in messages],
+                                   add_generation_prompt=add_generation_prompt, **variables)
+    except jinja2.exceptions.TemplateError as e:  # raise_exception, sandbox refusals, ...
+      raise ValueError(f"the chat template of {self._specials.template_origin} failed: "
+                       f"{e}") from None
 
   def chatml(self, messages: Sequence[Mapping[str, Any]],
              add_generation_prompt: bool = True) -> str:
