@@ -46,6 +46,9 @@ def chat_sample(tokenizer, instruction: str, text: str, question: str, *,
   parts separately can differ from the whole by a token at the cut; generation
   tokenizes them separately, as a query-agnostic pipeline must.
   """
+  if tokenizer is None:
+    raise ValueError("this model has no tokenizer, and task and dataset prompts are text; "
+                     "load a model with one (a GGUF, or a folder with tokenizer.json)")
   head = f"{instruction}\n" if instruction else ""
   prompt = tokenizer.chatml([{"role": "user", "content": f"{head}{text}\n{question}"}])
   prompt += answer_prefix
