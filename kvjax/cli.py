@@ -54,14 +54,27 @@ def one_line(message: object) -> str:
   return " ".join(str(message).split())
 
 
+def _close_progress_bars() -> None:
+  """Closes the tqdm bars still open, so that a message starts a line of its own.
+
+  A bar left open by an exception ends without a newline: what is printed
+  next would land on the bar's line.
+  """
+  tqdm = sys.modules.get("tqdm")
+  for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+    bar.close()
+
+
 def fail(message: object) -> NoReturn:
   """Prints ``error: message`` (on one line) on stderr and exits with code 2 (a usage error)."""
+  _close_progress_bars()
   print(f"error: {one_line(message)}", file=sys.stderr)
   sys.exit(EXIT_USAGE)
 
 
 def interrupted(message: str = "interrupted") -> NoReturn:
   """Prints ``message`` on stderr and exits with code 130 (ended by Ctrl-C)."""
+  _close_progress_bars()
   print(one_line(message), file=sys.stderr)
   sys.exit(EXIT_INTERRUPTED)
 
@@ -89,6 +102,20 @@ def check_out_folder(out: str | os.PathLike, flag: str = "--out") -> pathlib.Pat
   except OSError as e:
     raise UsageError(f"{flag} {path} is not writable: {e.strerror or e}") from None
   return path
+
+
+def check_backend(name: str) -> None:
+  """Refuses (UsageError) a ``--backend`` that cannot run here, before any work.
+
+  "native" without a C++ compiler (or off the CPU), "pallas" where it does not
+  lower: the reason on one line. "auto" always runs (it falls back to XLA).
+  """
+  if name == "auto":
+    return
+  try:
+    backend.resolve(name)
+  except (backend.NativeUnavailable, ValueError) as e:
+    raise UsageError(f"--backend={name}: {e}") from None
 
 
 # ------------------------------------------------------------------- help
@@ -181,6 +208,7 @@ def call(main: Callable, argv: Sequence[str]) -> None:
   except Exception as e:  # pylint: disable=broad-except
     if os.environ.get(TRACEBACK_ENV) == "1":
       raise
+    _close_progress_bars()
     print(f"error: internal error: {type(e).__name__}: {one_line(e)} "
           f"({TRACEBACK_ENV}=1 shows the traceback)", file=sys.stderr)
     sys.exit(1)

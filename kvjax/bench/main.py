@@ -257,6 +257,7 @@ def main(argv) -> None:
     return
   todo = configs()
   out = cli.check_out_folder(FLAGS.out)
+  cli.check_backend(FLAGS.backend)
   import kvjax
   available, source = memory.available_bytes()  # before the model takes its share
   lm = kvjax.load(FLAGS.model, scan_layers=FLAGS.scan_layers, packed=FLAGS.packed)

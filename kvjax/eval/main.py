@@ -107,6 +107,7 @@ def main(argv) -> None:
   from kvjax.eval import report
   cfg = config_from_flags()
   cli.check_out_folder(FLAGS.out)
+  cli.check_backend(cfg.backend)
   try:
     rows = runner.run(cfg, FLAGS.out)
   except KeyboardInterrupt:
