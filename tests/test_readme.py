@@ -1,5 +1,6 @@
 """The README's two commands exist, and CI runs the README's test command."""
 
+import fnmatch
 import pathlib
 import re
 
@@ -25,3 +26,22 @@ def test_ci_runs_the_readme_test_command():
   test_cmd = re.search(r'^TEST_CMD="(.*)"$', ci, re.M).group(1)
   assert test_cmd == _readme_commands()[1]
   assert "$TEST_CMD" in ci
+
+
+def _api_example() -> tuple[str, list[str]]:
+  """The Python API section's code, and the lines its ``# ->`` comments say it prints."""
+  text = (ROOT / "README.md").read_text()
+  section = text[text.index("## Python API"):]
+  code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+  expected = [line.split("# -> ", 1)[1] for line in code.splitlines() if "# -> " in line]
+  return code, expected
+
+
+def test_readme_api_example_prints_what_it_says(capsys):
+  code, expected = _api_example()
+  assert len(expected) >= 10
+  exec(compile(code, "README.md", "exec"), {})
+  printed = capsys.readouterr().out.splitlines()
+  assert len(printed) == len(expected), printed
+  for got, want in zip(printed, expected):
+    assert fnmatch.fnmatchcase(got, want), (got, want)
