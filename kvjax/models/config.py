@@ -95,11 +95,15 @@ def parameter_count(values: Mapping[str, Any]) -> int:
   return v * d + head + d + l * per_layer
 
 
-def check_size(values: Mapping[str, Any], source: str) -> None:
-  """Refuses dimensions that imply more than MAX_PARAMETERS parameters (a wrong dimension)."""
-  count = parameter_count(values)
+def check_size(values: Mapping[str, Any], source: str,
+               keys: Mapping[str, str] | None = None) -> None:
+  """Refuses dimensions that imply more than MAX_PARAMETERS parameters (a wrong dimension).
+
+  ``source`` and ``keys`` as in ``check_fields``.
+  """
+  count, keys = parameter_count(values), keys or {}
   if count > MAX_PARAMETERS:
-    dims = ", ".join(f"{k}={values[k]}" for k in POSITIVE_INTS if k in values)
+    dims = ", ".join(f"{keys.get(k, k)}={values[k]}" for k in POSITIVE_INTS if k in values)
     raise ValueError(f"{source}: the dimensions ({dims}) imply {count:.3g} parameters "
                      f"({4 * count / 2**30:.3g} GiB as float32), more than the "
                      f"{MAX_PARAMETERS:.0e} of any model kvjax loads; a dimension is wrong")

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import gguf
@@ -269,7 +270,11 @@ def _config_values(meta: GGUFMetadata, vocab_size: int) -> dict[str, Any]:
   config_lib.check_fields(values, path, _KEYS)
   hidden, heads = values["hidden_size"], values["num_heads"]
   values.setdefault("num_kv_heads", heads)
-  values.setdefault("head_dim", hidden // heads)
+  if "head_dim" not in values:
+    if hidden % heads:
+      raise ValueError(f"{path}: llama.embedding_length ({hidden}) is not a multiple of "
+                       f"llama.attention.head_count ({heads}) and no key_length is given")
+    values["head_dim"] = hidden // heads
   config_lib.check_fields(values, path, _KEYS)  # the derived values too
   rot_dim = fields.get("llama.rope.dimension_count", values["head_dim"])
   if rot_dim != values["head_dim"]:
@@ -286,7 +291,7 @@ def _config(meta: GGUFMetadata, tensors: dict[str, gguf.ReaderTensor],
   # GGUF lists dimensions fastest-first, so the embedding reads [D, V].
   values = _config_values(meta, int(tensors["token_embd.weight"].shape[-1]))
   values["tie_embeddings"] = "output.weight" not in tensors
-  config_lib.check_size(values, path)
+  config_lib.check_size(values, path, _KEYS)
   theta = float(values.pop("rope_theta", 10000.0))
   return LlamaConfig(
       **values,
@@ -297,15 +302,19 @@ def _config(meta: GGUFMetadata, tensors: dict[str, gguf.ReaderTensor],
 
 
 def _stored_shapes(config: LlamaConfig, shapes: dict[str, tuple[int, ...]]
-                   ) -> dict[str, tuple[int, ...]]:
-  """GGUF tensor name -> its shape slowest dimension first (matrices [out, in])."""
-  stored = {"token_embd.weight": shapes["embed"], "output_norm.weight": shapes["final_norm"]}
+                   ) -> Iterator[tuple[str, tuple[int, ...]]]:
+  """(GGUF tensor name, its shape slowest dimension first) of every tensor the model needs.
+
+  Layer by layer, lazily: a forged layer count fails at the first missing
+  layer instead of listing them all.
+  """
+  yield "token_embd.weight", shapes["embed"]
+  yield "output_norm.weight", shapes["final_norm"]
   if not config.tie_embeddings:
-    stored["output.weight"] = shapes["lm_head"][::-1]
-  for stem, key in _LAYER_TENSORS.items():
-    for i in range(config.num_layers):
-      stored[f"blk.{i}.{stem}.weight"] = shapes[key][1:][::-1]
-  return stored
+    yield "output.weight", shapes["lm_head"][::-1]
+  for i in range(config.num_layers):
+    for stem, key in _LAYER_TENSORS.items():
+      yield f"blk.{i}.{stem}.weight", shapes[key][1:][::-1]
 
 
 def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
@@ -379,7 +388,7 @@ def load_gguf(path: str | os.PathLike, *, packed: bool = False
     return np.array(tensor.data, np.uint8).reshape(got[0], -1) if keep else _dequantize(tensor)
 
   # Every tensor's header agrees with the config before anything is allocated.
-  for name, want in _stored_shapes(config, shapes).items():
+  for name, want in _stored_shapes(config, shapes):
     check(name, want)
   if not packed:  # (packed blocks take a fraction of that)
     config_lib.check_host_memory(config, path)

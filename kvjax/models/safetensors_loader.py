@@ -14,6 +14,7 @@ import json
 import math
 import os
 import pathlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -149,7 +150,7 @@ def config_from_json(path: str | os.PathLike) -> LlamaConfig:
                        f"num_attention_heads ({heads}) and no head_dim is given")
     values["head_dim"] = hidden // heads
   config_lib.check_fields(values, str(path), _KEYS)  # the derived values too
-  config_lib.check_size(values, str(path))
+  config_lib.check_size(values, str(path), _KEYS)
   theta, scaling = _rope(cfg, path)
   name = cfg.get("_name_or_path") or path.parent.name
   return LlamaConfig(**values, rope_theta=theta, rope_scaling=scaling, name=str(name))
@@ -253,27 +254,36 @@ def load_safetensors(directory: str | os.PathLike) -> tuple[LlamaConfig, dict[st
     raise ValueError(f"{folder}: no config.json (expected a Hugging Face checkpoint folder)")
   config = config_from_json(folder / "config.json")
   shapes = canonical_shapes(config)
-  # Hugging Face stores matrices [out, in]; canonical ones are [in, out].
-  stored = {"model.embed_tokens.weight": shapes["embed"], "model.norm.weight": shapes["final_norm"]}
-  if not config.tie_embeddings:
-    stored["lm_head.weight"] = shapes["lm_head"][::-1]
-  for i in range(config.num_layers):
-    for suffix, key in _LAYER_TENSORS.items():
-      stored[f"model.layers.{i}.{suffix}"] = shapes[key][1:][::-1]
   weights = {}
   with _Reader(_shard_of_tensor(folder), folder) as reader:
     # Every header agrees with the config before anything is allocated.
-    for name, want in stored.items():
+    for name, want in _stored_shapes(config, shapes):
       reader.check(name, want)
     config_lib.check_host_memory(config, str(folder))
     weights["embed"] = reader.get("model.embed_tokens.weight", shapes["embed"])
     weights["final_norm"] = reader.get("model.norm.weight", shapes["final_norm"])
     if not config.tie_embeddings:
-      weights["lm_head"] = reader.get("lm_head.weight", stored["lm_head.weight"]).T.copy()
+      weights["lm_head"] = reader.get("lm_head.weight", shapes["lm_head"][::-1]).T.copy()
     for key in _LAYER_TENSORS.values():
       weights[key] = np.empty(shapes[key], np.float32)
     for i in range(config.num_layers):
       for suffix, key in _LAYER_TENSORS.items():
-        name = f"model.layers.{i}.{suffix}"
-        weights[key][i] = reader.get(name, stored[name]).T
+        w = reader.get(f"model.layers.{i}.{suffix}", shapes[key][1:][::-1])
+        weights[key][i] = w.T
   return config, weights
+
+
+def _stored_shapes(config: LlamaConfig, shapes: dict[str, tuple[int, ...]]
+                   ) -> Iterator[tuple[str, tuple[int, ...]]]:
+  """(tensor name, stored shape) of every tensor the model needs, layer by layer, lazily.
+
+  Hugging Face stores matrices [out, in]; canonical ones are [in, out]. Lazily,
+  so that a forged layer count fails at the first missing layer.
+  """
+  yield "model.embed_tokens.weight", shapes["embed"]
+  yield "model.norm.weight", shapes["final_norm"]
+  if not config.tie_embeddings:
+    yield "lm_head.weight", shapes["lm_head"][::-1]
+  for i in range(config.num_layers):
+    for suffix, key in _LAYER_TENSORS.items():
+      yield f"model.layers.{i}.{suffix}", shapes[key][1:][::-1]
