@@ -189,7 +189,11 @@ class GenerateTest(absltest.TestCase):
         self.assertEqual(got.token_ids, want.token_ids, name)
         np.testing.assert_array_equal(got.cache.kept_positions(), want.cache.kept_positions(),
                                       err_msg=name)
-        self.assertGreater(got.stats.prefill_s, 0)
+        # Each run counts the shared forward once, and its own compression.
+        self.assertGreater(got.stats.shared_prefill_s, 0)
+        self.assertGreater(got.stats.prefill_s, got.stats.shared_prefill_s)
+        self.assertEqual(got.stats.shared_prefill_s, each[0].stats.shared_prefill_s)
+        self.assertEqual(want.stats.shared_prefill_s, 0.0)
 
   def test_generate_each_checks_every_run_first(self):
     with self.assertRaisesRegex(ValueError, "runs is empty"):

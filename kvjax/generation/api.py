@@ -40,7 +40,7 @@ class GenerationStats:
 
   prompt_tokens: tuple[int, ...]  # valid prompt tokens per sequence
   generated_tokens: tuple[int, ...]  # tokens generated per sequence, stop token included
-  prefill_s: float  # prefill (+ prompt compression) wall time
+  prefill_s: float  # prefill (+ prompt compression) wall time, shared_prefill_s included
   decode_s: float  # decode loop wall time
   decode_steps: int  # forward passes in the decode loop
   compile_s: float  # time spent compiling in this call (0 when cached)
@@ -49,6 +49,10 @@ class GenerationStats:
   policy: str
   budget: int | None
   backend: str  # the backend paged decode attention ran on
+  # Of prefill_s, the prompt forward that generate_each's runs share (the same
+  # in each of them; 0 when nothing is shared): summing prefill_s over runs
+  # counts it once per run, summing prefill_s - shared_prefill_s does not.
+  shared_prefill_s: float = 0.0
 
   @property
   def decode_tokens_per_s(self) -> float:
@@ -186,7 +190,9 @@ def generate_each(
     # Every run counts the shared forward's time; its compilation counts once.
     clock = Clock(shared.seconds, 0.0 if i else shared.compile_s)
     plan = plan_lib.plan_run(lm, batch, policy, budget, options, recorded)
-    yield _run(lm, batch, options, plan, clock)
+    result = _run(lm, batch, options, plan, clock)
+    yield dataclasses.replace(result, stats=dataclasses.replace(
+        result.stats, shared_prefill_s=shared.seconds.get("prefill", 0.0)))
 
 
 def _run(lm: LanguageModel, batch: inputs.Batch, options: inputs.Options,
