@@ -159,3 +159,53 @@ def test_bad_flags_exit_2(tmp_path, args, message):
   assert proc.returncode == 2
   errors = [l for l in proc.stderr.splitlines() if l.startswith("error: ")]
   assert len(errors) == 1 and message in errors[0], proc.stderr
+
+
+TINY = dict(vocab_size=97, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
+            head_dim=8, intermediate_size=64, max_position_embeddings=512)
+
+
+@pytest.mark.parametrize("policy, budget, batch, chunk", [
+    ("snapkv", 48, 2, 0), ("pyramidkv", 96, 2, 0),
+    ("streaming_llm", 40, 3, 0), ("snapkv", 48, 1, 64), ("full", None, 2, 0)])
+def test_memory_estimate_of_the_cache_is_exact(policy, budget, batch, chunk):
+  """The estimate's cache part is every byte of the cache the run allocates, keys and
+  values apart (kv_bytes): a generate on a prompt, and the bench's synthetic fill."""
+  import kvjax
+  from kvjax import policies
+  from kvjax.bench import memory
+  lm = kvjax.init_random(kvjax.LlamaConfig(**TINY), seed=1)
+  weights = sum(x.nbytes for x in jax.tree.leaves(lm.params))
+  pol = policies.get(policy, **policies.window_fields(policy, 8))
+  prompt = (np.arange(150) % 90 + 3).tolist()  # 150 tokens: padded to 192 (or 3 chunks)
+  result = kvjax.generate(lm, [prompt] * batch, policy=pol, budget=budget, max_new_tokens=4,
+                          stop_ids=[], prefill_chunk=chunk)
+  cfg = runner.BenchConfig(policy=policy, budget=budget, context_length=150, batch_size=batch,
+                           decode_steps=3, prefill_chunk=chunk, window=8)
+  est = memory.estimate(lm.config, weights=weights, itemsize=4, policy=pol, budget=budget,
+                        context_length=150, batch_size=batch, decode_steps=3, fill="prompt",
+                        prefill_chunk=chunk)
+  assert est.kv == result.stats.kv_bytes == result.cache.kv_bytes
+  assert est.cache == sum(x.nbytes for x in jax.tree.leaves(result.cache))
+  assert est.weights == weights and est.activations > 0
+  assert est.total == weights + est.cache + est.activations
+  if chunk:
+    return
+  cache, _ = runner.synthetic_cache(lm, cfg, pol)
+  est = memory.estimate(lm.config, weights=weights, itemsize=4, policy=pol, budget=budget,
+                        context_length=150, batch_size=batch, decode_steps=3, fill="synthetic")
+  assert est.kv == cache.kv_bytes
+  assert est.cache == sum(x.nbytes for x in jax.tree.leaves(cache))
+
+
+def test_memory_estimate_grows_with_batch_steps_and_length():
+  import kvjax
+  from kvjax import policies
+  from kvjax.bench import memory
+  config = kvjax.LlamaConfig(**TINY)
+  base = dict(weights=1000, itemsize=4, policy=policies.get("full"), budget=None,
+              context_length=256, batch_size=1, decode_steps=8, fill="synthetic")
+  e = lambda **kw: memory.estimate(config, **{**base, **kw}).total
+  assert e(batch_size=2) > e() and e(decode_steps=400) > e() and e(context_length=4096) > e()
+  # A full cache of 10**9 tokens: 2 (k, v) x L x K x H x 4 bytes a token, at least.
+  assert e(context_length=10**9) > 10**9 * 2 * 3 * 2 * 8 * 4
