@@ -4,7 +4,12 @@ Tables: one per (task, haystack, mode, prefill chunk, length), a row per
 policy, a column per budget; cells are accuracy (mean score where the metric
 is not exact) over the samples. Full cache heads each table.
 Plots: the NIAH depth × length heatmap of each policy at each budget, and
-accuracy against budget per policy with the full cache as a line.
+accuracy against budget per policy with the full cache as a line (a bar per
+policy, the full cache's first, where the run has one budget).
+
+The report is rebuilt from the run's own rows only (``runner.run`` returns
+those), and the plots it owns (OWNED_PLOTS) that the run does not draw are
+removed: nothing in the folder describes an earlier, different run.
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ from typing import Iterable
 import numpy as np
 
 from kvjax import plots
+
+# The PNG names the report draws (and removes when a run no longer draws them).
+OWNED_PLOTS = ("heatmap_*.png", "accuracy_vs_budget_*.png")
 
 
 def _group(row: dict) -> tuple:
@@ -58,13 +66,24 @@ def _label(policy: str, fields: dict) -> str:
                    if fields else "")
 
 
-def summary_markdown(rows: Iterable[dict]) -> str:
-  """The accuracy tables of a run, in markdown."""
+def summary_markdown(rows: Iterable[dict], *, reused: int | None = None,
+                     source: str | pathlib.Path | None = None) -> str:
+  """The accuracy tables of a run, in markdown.
+
+  Args:
+    rows: the run's rows.
+    reused: how many of them an earlier run wrote (said in the heading's line).
+    source: the file they were reused from.
+  """
   rows = list(rows)
   if not rows:
     return "No results.\n"
   model = rows[0]["model"]
-  lines = [f"# Accuracy ({model})", "",
+  count = f"{len(rows)} rows"
+  if reused is not None:
+    count += (f", {reused} reused from an earlier run" + (f" ({source})" if source else "")
+              + f", {len(rows) - reused} run now")
+  lines = [f"# Accuracy ({model})", "", count + ".", "",
            "Cells: accuracy (mean score for non-exact metrics) over the samples, n in brackets. "
            "Policy fields (observation window) in brackets after the name.", ""]
   by_group = _by_group(rows)
@@ -183,16 +202,44 @@ def plot_accuracy_vs_budget(rows: list[dict], out: pathlib.Path) -> list[pathlib
         if policy != "full":
           series[policy].append((budget, 100 * _value(cell)))
       full = [r for r in at if r["policy"] == "full"]
+      reference = {"full": 100 * _value(full)} if full else {}
+      budgets = {b for points in series.values() for b, _ in points}
+      if len(budgets) == 1 and full:  # one budget: the full cache is a bar beside the others
+        series["full"] = [(budgets.pop(), reference.pop("full"))]
       plots.compare(ax, series, xlabel="budget (KV entries per layer and KV head)",
                     ylabel="accuracy (%)" if ax is axes[0] else "", ylim=(-5, 105),
-                    reference={"full": 100 * _value(full)} if full else None, dodge=0.05)
+                    reference=reference or None, dodge=0.05, first=("full",))
       ax.set_title(f"{length} tokens", fontsize=9)
     fig.suptitle(_group_title(group), fontsize=10)
     paths.append(plots.save(fig, out / f"accuracy_vs_budget_{_slug(group)}.png"))
   return paths
 
 
-def write_report(rows: list[dict], out: str | pathlib.Path) -> str:
-  """Writes summary.md and the plots under ``out``; returns the summary text."""
-  return plots.write_report(out, summary_markdown(rows), rows,
-                            [plot_heatmaps, plot_accuracy_vs_budget])
+def write_report(rows: list[dict], out: str | pathlib.Path, *,
+                 reused: int | None = None) -> str:
+  """Writes summary.md and the plots of ``rows`` under ``out``; returns the summary text.
+
+  Plots of an earlier run (OWNED_PLOTS names) that these rows do not draw are
+  removed. ``reused`` defaults to the count ``runner.run``'s rows carry.
+  """
+  out = pathlib.Path(out)
+  if reused is None:
+    reused = getattr(rows, "reused", None)
+  summary = summary_markdown(rows, reused=reused, source=getattr(rows, "path", None))
+  (out / "summary.md").write_text(summary)
+  drawn = {p.name for plot in (plot_heatmaps, plot_accuracy_vs_budget) for p in plot(rows, out)}
+  for path in _owned_plots(out):
+    if path.name not in drawn:
+      path.unlink()
+  return summary
+
+
+def remove_outputs(out: str | pathlib.Path) -> None:
+  """Removes summary.md and the plots the report owns under ``out`` (an earlier run's)."""
+  out = pathlib.Path(out)
+  for path in [out / "summary.md", *_owned_plots(out)]:
+    path.unlink(missing_ok=True)
+
+
+def _owned_plots(out: pathlib.Path) -> list[pathlib.Path]:
+  return sorted({p for pattern in OWNED_PLOTS for p in out.glob(pattern) if p.is_file()})

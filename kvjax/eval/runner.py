@@ -3,29 +3,42 @@
 One JSON row per (sample, policy, budget): what was asked, what came back,
 its score, the timings and the KV bytes allocated. A sample's runs share its
 prompt's forward pass (one-shot prefill), so each row's prefill_s counts that
-forward plus the row's own compression. Rows already in the file
-(same key) are skipped, so an interrupted run resumes where it stopped.
-Greedy decoding and seeded prompts make a run deterministic for its seed.
+forward plus the row's own compression. Rows already in the file under the
+same key (``kvjax.eval.results``: the work a row records, the sample's content
+included) are reused, so an interrupted run resumes where it stopped and a
+different run never borrows another's rows. Greedy decoding and seeded
+prompts make a run deterministic for its seed.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import json
 import pathlib
 import sys
 from typing import Sequence
 
 from kvjax import policies
 from kvjax.eval import metrics as metrics_lib
+from kvjax.eval import results as results_lib
 from kvjax.tasks import dataset as dataset_lib
 from kvjax.tasks import niah
 from kvjax.tasks.sample import Sample
 
 TASKS = niah.TASKS + ("dataset",)
-# Fields of a row that identify it (a resumed run skips rows with a known key).
-KEY_FIELDS = ("model", "task", "id", "policy", "policy_fields", "budget", "query_aware",
-              "prefill_chunk", "packed")
+
+
+class EvalError(RuntimeError):
+  """A sample failed mid-run: the message names it and its runs; the cause is chained."""
+
+
+class RunRows(list):
+  """The run's rows in job order; ``reused`` came from ``path``, ``ran`` were run now."""
+
+  def __init__(self, rows=(), *, reused: int = 0, ran: int = 0,
+               path: pathlib.Path | None = None):
+    super().__init__(rows)
+    self.reused, self.ran, self.path = reused, ran, path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +85,11 @@ class EvalConfig:
     for name in ("num_samples", "window", "prefill_chunk", "max_new_tokens"):
       if getattr(self, name) < 0:
         raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
+    for name in ("policies", "budgets", "haystacks", "lengths", "depths"):
+      values = getattr(self, name)
+      repeated = sorted({str(v) for v in values if values.count(v) > 1})
+      if repeated:  # the same work twice would be counted twice
+        raise ValueError(f"--{name} repeats {', '.join(repeated)}")
 
 
 def make_samples(tokenizer, cfg: EvalConfig, max_tokens: int) -> list[Sample]:
@@ -101,21 +119,18 @@ def length_bucket(tokens: int) -> int:
   return 1 << max(0, tokens - 1).bit_length()
 
 
-def row_key(row: dict) -> tuple:
-  return tuple(json.dumps(row.get(k), sort_keys=True) for k in KEY_FIELDS)
+def check_unique_ids(samples: Sequence[Sample]) -> None:
+  """Raises ValueError when samples share an id (their rows would be counted as one).
 
-
-def read_rows(path: pathlib.Path) -> list[dict]:
-  """Rows of a results.jsonl (a torn last line from a killed run is dropped)."""
-  if not path.exists():
-    return []
-  rows = []
-  for line in path.read_text().splitlines():
-    try:
-      rows.append(json.loads(line))
-    except json.JSONDecodeError:
-      continue
-  return rows
+  The dataset reader refuses a file's shared ids naming their lines; this
+  guards every source of samples.
+  """
+  where = collections.defaultdict(list)
+  for index, sample in enumerate(samples):
+    where[sample.id].append(index + 1)
+  repeated = [f"{k!r} (samples {', '.join(map(str, v))})" for k, v in where.items() if len(v) > 1]
+  if repeated:
+    raise ValueError(f"samples share ids: {'; '.join(repeated)}")
 
 
 def _jobs(cfg: EvalConfig, samples: Sequence[Sample]):
@@ -127,65 +142,123 @@ def _jobs(cfg: EvalConfig, samples: Sequence[Sample]):
         yield policy, fields, budget, sample
 
 
+def _check_runs(cfg: EvalConfig) -> None:
+  """Every (policy, budget) of the run is one the policy can honour, before any work."""
+  for name in cfg.policies:
+    policy = policies.get(name, **policies.window_fields(name, cfg.window))
+    for budget in ([None] if name == "full" else cfg.budgets):
+      policy.validate(budget)
+    if cfg.prefill_chunk:
+      policy.check_chunk(cfg.prefill_chunk)
+
+
 def run(cfg: EvalConfig, out: str | pathlib.Path, *, progress: bool = True,
-        lm=None) -> list[dict]:
+        lm=None) -> RunRows:
   """Runs what results.jsonl under ``out`` lacks; returns all of the run's rows.
+
+  A torn last line (a run killed mid-write) is reported on stderr and dropped.
+  When there is work to run, the folder's summary.md and plots (an earlier
+  run's) are removed first, so a run that fails leaves none that disagree
+  with results.jsonl.
 
   Args:
     cfg: the run.
     out: output folder (created).
-    progress: show a progress bar on stderr.
+    progress: show the reused rows and a progress bar on stderr.
     lm: an already loaded model for ``cfg.model`` (loaded when None).
+
+  Returns:
+    The run's rows in job order, with ``reused`` / ``ran`` counts.
+
+  Raises:
+    ValueError: bad input found before any work (policies, budgets, dataset,
+      shared sample ids); ``results.ResultsError`` for a damaged results file.
+    EvalError: a sample failed while running (the cause chained).
   """
   import kvjax
   from tqdm import tqdm
+
+  from kvjax.eval import report
 
   out = pathlib.Path(out)
   out.mkdir(parents=True, exist_ok=True)
   path = out / "results.jsonl"
   if lm is None:
     lm = kvjax.load(cfg.model, packed=cfg.packed)
-  for name in cfg.policies:  # unknown names fail before any work
-    kvjax.policies.get(name)
+  _check_runs(cfg)
   samples = make_samples(lm.tokenizer, cfg, lm.config.max_position_embeddings - 64)
-  done = {row_key(r): r for r in read_rows(path)}
-  jobs, rows = [], []
-  for policy, fields, budget, sample in _jobs(cfg, samples):
-    row = _row_head(cfg, policy, fields, budget, sample)
-    if row_key(row) in done:
-      rows.append(done[row_key(row)])
-    else:
-      jobs.append((row, policy, fields, budget, sample))
+  check_unique_ids(samples)
+  loaded = results_lib.read_rows(path)
+  if loaded.torn_line is not None:
+    results_lib.drop_torn_line(path, loaded)
+  done = {results_lib.row_key(r): r for r in loaded.rows}
+  dataset = str(pathlib.Path(cfg.dataset).resolve()) if cfg.dataset else None
+  digests = {id(s): results_lib.sample_sha256(s.context, s.question, s.answers, s.all_classes)
+             for s in samples}
+  heads = [(_row_head(cfg, *job, dataset=dataset, digest=digests[id(job[-1])]), job)
+           for job in _jobs(cfg, samples)]
+  reused = {i for i, (row, _) in enumerate(heads) if results_lib.row_key(row) in done}
+  rows = [done[results_lib.row_key(row)] if i in reused else row
+          for i, (row, _) in enumerate(heads)]
   # A sample's runs share one prompt forward (``kvjax.generate_each``).
-  # Grouped by the sample object itself: dataset rows may share (or lack) an id.
+  # Grouped by the sample object itself: dataset rows may share content.
   by_sample: dict[int, list] = {}
-  for job in jobs:
-    by_sample.setdefault(id(job[-1]), []).append(job)
-  bar = tqdm(total=len(jobs), desc="eval", unit="run", disable=not progress, file=sys.stderr)
-  with path.open("a") as f:
+  for i, (row, job) in enumerate(heads):
+    if i not in reused:
+      by_sample.setdefault(id(job[-1]), []).append((row, job))
+  todo = len(heads) - len(reused)
+  if progress and reused:
+    print(f"eval: {len(reused)} rows reused from {path}, {todo} to run", file=sys.stderr)
+  if todo:
+    report.remove_outputs(out)
+  index_of = {id(s): i for i, s in enumerate(samples)}
+  bar = tqdm(total=todo, desc="eval", unit="run", disable=not progress or not todo,
+             file=sys.stderr)
+  with results_lib.Appender(path) as appender:
     for group in by_sample.values():
-      sample = group[0][-1]
+      sample = group[0][1][-1]
       bar.set_postfix_str(f"{sample.num_tokens} tok, {len(group)} runs", refresh=False)
-      runs = [(kvjax.policies.get(policy, **fields), budget)
-              for _, policy, fields, budget, _ in group]
-      for (row, *_), result in zip(group, _generate(lm, cfg, runs, sample)):
+      for row, result in zip((row for row, _ in group),
+                             _run_sample(lm, cfg, group, sample, index_of[id(sample)])):
         row.update(result)
-        f.write(json.dumps(row) + "\n")
-        f.flush()
-        rows.append(row)
+        appender.append(row)
         bar.update()
   bar.close()
-  return rows
+  return RunRows(rows, reused=len(reused), ran=todo, path=path)
 
 
-def _row_head(cfg, policy, fields, budget, sample: Sample) -> dict:
+def _run_sample(lm, cfg: EvalConfig, group, sample: Sample, index: int) -> list[dict]:
+  """The result fields of each of a sample's runs; a failure is re-raised naming them."""
+  runs = [(policies.get(policy, **fields), budget) for _, (policy, fields, budget, _) in group]
+  try:
+    return list(_generate(lm, cfg, runs, sample))
+  except Exception as e:  # any failure: the user needs to know which sample and runs
+    names = ", ".join(name if budget is None else f"{name} at budget {budget}"
+                      for _, (name, _, budget, _) in group)
+    raise EvalError(f"{describe_sample(sample, cfg, index)} under {names}: "
+                    f"{type(e).__name__}: {e}") from e
+
+
+def describe_sample(sample: Sample, cfg: EvalConfig, index: int) -> str:
+  """Which sample: a dataset's row and id, or a synthetic task's length, depth and filler."""
+  if cfg.task == "dataset":
+    return (f"dataset {cfg.dataset} row {index + 1} (id {sample.id!r}, "
+            f"{sample.num_tokens} prompt tokens)")
+  return (f"sample {sample.id!r} ({sample.task}, {sample.target_tokens} tokens, "
+          f"depth {sample.depth:g}, {sample.haystack} haystack)")
+
+
+def _row_head(cfg, policy, fields, budget, sample: Sample, *, dataset: str | None,
+              digest: str) -> dict:
+  """The fields a row has before it runs: its key (results.KEY_FIELDS) and descriptions."""
   return {
-      "model": cfg.model, "task": sample.task, "haystack": sample.haystack, "id": sample.id,
-      "policy": policy, "policy_fields": fields, "budget": budget,
+      "model": cfg.model, "task": sample.task, "haystack": sample.haystack,
+      "dataset": dataset, "sample_sha256": digest,
+      "id": sample.id, "policy": policy, "policy_fields": fields, "budget": budget,
       "length": sample.target_tokens or length_bucket(sample.num_tokens),
       "prompt_tokens": sample.num_tokens, "depth": sample.depth, "query_aware": cfg.query_aware,
       "prefill_chunk": cfg.prefill_chunk, "packed": cfg.packed, "seed": cfg.seed,
-      "metric": sample.metric,
+      "max_new_tokens": cfg.max_new_tokens or sample.max_new_tokens, "metric": sample.metric,
   }
 
 
