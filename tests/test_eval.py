@@ -28,6 +28,8 @@ def test_tiny_run_writes_every_output_and_resumes(smollm2_lm, tmp_path):
     assert r["score"] == float(r["answer"][0] in r["prediction"])
     assert r["correct"] == (r["score"] == 1.0)  # "contains": correct only when it is there
   full, snap = rows
+  # Both rows count the sample's one shared forward, and then their own work.
+  assert 0 < full["shared_prefill_s"] == snap["shared_prefill_s"] < snap["prefill_s"]
   assert full["correct"]  # the full cache answers this prompt
   assert snap["kv_bytes"] < full["kv_bytes"]
   assert snap["policy_fields"] == {"window": 16}

@@ -3,7 +3,9 @@
 One JSON row per (sample, policy, budget): what was asked, what came back,
 its score, the timings and the KV bytes allocated. A sample's runs share its
 prompt's forward pass (one-shot prefill), so each row's prefill_s counts that
-forward plus the row's own compression. Rows already in the file under the
+forward plus the row's own compression; shared_prefill_s is the shared forward
+(the same in each of the sample's rows), so prefill_s - shared_prefill_s is the
+row's own and a sum over rows adds the shared forward once per sample. Rows already in the file under the
 same key (``kvjax.eval.results``: the work a row records, the sample's content
 included) are reused, so an interrupted run resumes where it stopped and a
 different run never borrows another's rows. Greedy decoding and seeded
@@ -276,5 +278,6 @@ def _generate(lm, cfg: EvalConfig, runs, sample: Sample):
                                        all_classes=sample.all_classes)
     s = result.stats
     yield {"correct": correct, "score": score, "prediction": prediction,
-           "answer": list(sample.answers), "prefill_s": s.prefill_s, "decode_s": s.decode_s,
+           "answer": list(sample.answers), "prefill_s": s.prefill_s,
+           "shared_prefill_s": s.shared_prefill_s, "decode_s": s.decode_s,
            "compile_s": s.compile_s, "kv_bytes": s.kv_bytes, "backend": s.backend}
