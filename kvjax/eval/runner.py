@@ -214,9 +214,9 @@ def run(cfg: EvalConfig, out: str | pathlib.Path, *, progress: bool = True,
   if todo:
     report.remove_outputs(out)
   index_of = {id(s): i for i, s in enumerate(samples)}
-  bar = tqdm(total=todo, desc="eval", unit="run", disable=not progress or not todo,
-             file=sys.stderr)
-  with results_lib.Appender(path) as appender:
+  # The bar closes on an error too, so the error's line starts a line of its own.
+  with tqdm(total=todo, desc="eval", unit="run", disable=not progress or not todo,
+            file=sys.stderr) as bar, results_lib.Appender(path) as appender:
     for group in by_sample.values():
       sample = group[0][1][-1]
       bar.set_postfix_str(f"{sample.num_tokens} tok, {len(group)} runs", refresh=False)
@@ -225,7 +225,6 @@ def run(cfg: EvalConfig, out: str | pathlib.Path, *, progress: bool = True,
         row.update(result)
         appender.append(row)
         bar.update()
-  bar.close()
   return RunRows(rows, reused=len(reused), ran=todo, path=path)
 
 
