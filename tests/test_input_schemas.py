@@ -466,7 +466,8 @@ def test_a_folder_without_a_tokenizer_loads_and_names_what_is_missing(tmp_path, 
   with pytest.raises(ValueError, match=rf"{folder}: no tokenizer\.json in the folder, so "
                                        r"the prompts cannot be encoded"):
     lm.require_tokenizer("the prompts")
-  with pytest.raises(ValueError, match="this model has no tokenizer"):
+  with pytest.raises(ValueError, match=rf"{folder}: no tokenizer\.json in the folder, so "
+                                       r"prompt 0 \(a string\) cannot be encoded"):
     kvjax.generate(lm, ["text"], max_new_tokens=2)
   (folder / "tokenizer.model").write_bytes(b"\0")
   with pytest.raises(ValueError, match=r"it has tokenizer\.model, which kvjax does not read"):

@@ -214,7 +214,8 @@ def measure(cfg: BenchConfig, lm=None) -> dict:
 
 def _prompt_run(lm, cfg: BenchConfig, policy) -> dict:
   import kvjax
-  sample = kvjax.tasks.make_sample(lm.tokenizer, "niah", length=cfg.context_length)
+  sample = kvjax.tasks.make_sample(lm.require_tokenizer("the bench's prompt"), "niah",
+                                   length=cfg.context_length)
   prompts = [sample.prompt] * cfg.batch_size
   kwargs = dict(policy=policy, budget=cfg.budget, max_new_tokens=new_tokens(cfg),
                 stop_ids=[], backend=cfg.backend, page_size=cfg.page_size,

@@ -99,7 +99,7 @@ def make_samples(tokenizer, cfg: EvalConfig, max_tokens: int) -> list[Sample]:
   if cfg.task == "dataset":
     metric = "qa_f1" if cfg.metric == "auto" else cfg.metric
     samples = dataset_lib.dataset_samples(tokenizer, cfg.dataset, metric=metric,
-                                          max_tokens=max_tokens)
+                                          max_tokens=max_tokens, metrics=metrics_lib.METRICS)
     return samples[:cfg.num_samples or None]
   samples = []
   for length in cfg.lengths:
@@ -188,7 +188,8 @@ def run(cfg: EvalConfig, out: str | pathlib.Path, *, progress: bool = True,
   if lm is None:
     lm = kvjax.load(cfg.model, packed=cfg.packed)
   _check_runs(cfg)
-  samples = make_samples(lm.tokenizer, cfg, lm.config.max_position_embeddings - 64)
+  samples = make_samples(lm.require_tokenizer("the task's prompts"), cfg,
+                         lm.config.max_position_embeddings - 64)
   check_unique_ids(samples)
   loaded = results_lib.read_rows(path)
   if loaded.torn_line is not None:

@@ -179,8 +179,7 @@ def _chat_turns(lm: LanguageModel, prompts: list, questions: list | None):
   Returns:
     (contexts, questions): rendered strings; questions None without questions.
   """
-  if lm.tokenizer is None:
-    raise ValueError("this model has no tokenizer; chat_template needs string prompts")
+  lm.require_tokenizer("chat prompts")
   for name, texts in (("prompt", prompts), ("question", questions or ())):
     for i, text in enumerate(texts):
       if not isinstance(text, str):
@@ -209,9 +208,7 @@ def _tokenize(lm: LanguageModel, prompts: list, name: str) -> list[list[int]]:
   vocab = lm.config.vocab_size
   for i, p in enumerate(prompts):
     if isinstance(p, str):
-      if lm.tokenizer is None:
-        raise ValueError("this model has no tokenizer; pass token ids instead of strings")
-      row = lm.tokenizer.encode(p)
+      row = lm.require_tokenizer(f"{name} {i} (a string)").encode(p)
     else:
       row = _token_ids(p, f"{name} {i}", vocab)
     if not row:
