@@ -78,3 +78,14 @@ def test_notebook_runs_on_cpu(path, tmp_path, monkeypatch):
   except nbclient.exceptions.CellExecutionError as e:
     pytest.fail(f"{path.name}: a cell failed:\n{e}")
   print(f"{path.name} ran in {time.perf_counter() - start:.1f} s")
+
+
+def test_flax_integration_doc_shows_the_notebooks_code():
+  """Each python block of docs/flax_integration.md is the notebook's code, verbatim."""
+  doc = (COLAB.parent / "docs" / "flax_integration.md").read_text()
+  nb = _load(COLAB / "flax_integration.ipynb")
+  code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+  blocks = re.findall(r"```python\n(.*?)```", doc, flags=re.S)
+  assert len(blocks) >= 8
+  for block in blocks:
+    assert block.rstrip("\n") in code, block
