@@ -155,15 +155,14 @@ def help_text(main: Callable, groups: HelpGroups = ()) -> str:
   module = sys.modules.get(main.__module__)
   doc = (module.__doc__ or "").strip() if module else ""
   lines = [doc, ""] if doc else []
-  own = {f.name: f for f in _module_flags(main.__module__)}
+  own = {f.name: f for f in _module_flags(main.__module__)
+         if not f.help.startswith("Internal:")}
   listed = [name for _, names in groups for name in names]
   rest = [name for name in own if name not in listed]
   for title, names in [*groups, *([("other", rest)] if rest else [])]:
     lines.append(f"{title}:")
     for name in names:
       flag = flags.FLAGS[name]
-      if flag.help.startswith("Internal:"):
-        continue
       lines.append(f"  {_flag_usage(flag)}")
       lines += textwrap.wrap(_flag_help(flag), 88, initial_indent=" " * 6,
                              subsequent_indent=" " * 6, break_long_words=False,
