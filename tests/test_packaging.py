@@ -83,6 +83,7 @@ def test_wheel_ships_every_module(wheel):
            for p in (ROOT / "kernels").rglob("*.py")}
   want |= {"kvjax/kernels/" + p.name  # C++ sources and headers
            for pattern in ("*.cc", "*.h") for p in (ROOT / "kernels").glob(pattern)}
+  want |= {p.relative_to(ROOT).as_posix() for p in (ROOT / "kvjax").rglob("*.txt")}  # documents
   want = {w for w in want if "__pycache__" not in w}
   assert not want - names, f"missing from the wheel: {sorted(want - names)}"
 

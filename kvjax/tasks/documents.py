@@ -24,7 +24,7 @@ class Document:
 
 def example_document() -> Document:
   """The harbour-town document; its answer is in the text word for word."""
-  text = importlib.resources.files("kvjax.tasks").joinpath("data/harbour_town.txt").read_text(
+  text = importlib.resources.files("kvjax.tasks").joinpath("harbour_town.txt").read_text(
       encoding="utf-8")
   return Document(text=text.strip(), question="What is the code to the lamp room's lock?",
                   answer="58213")
