@@ -326,3 +326,28 @@ def test_decode_eviction_holds_the_budget_for_256_tokens(smollm2_lm, name):
   if name == "streaming_llm":
     expected = list(range(4)) + list(range(last - budget + 5, last + 1))
     assert sorted(kept[0, 0].tolist()) == expected
+
+
+def test_register_makes_a_policy_selectable_by_name():
+  from typing import ClassVar
+
+  @policies.register
+  @dataclasses.dataclass(frozen=True)
+  class Newest(policies.Policy):
+    name: ClassVar[str] = "test_newest"
+    weight: float = 1.0
+
+    def score(self, prompt, q, k, v):
+      return jnp.broadcast_to(prompt.positions[:, None, :] * self.weight,
+                              (k.shape[0], k.shape[2], k.shape[1])).astype(jnp.float32)
+
+  try:
+    assert "test_newest" in policies.names()
+    assert policies.get("test_newest", weight=2.0) == Newest(weight=2.0)
+    with pytest.raises(ValueError, match="'snapkv' is a built-in policy"):
+      policies.register(type("SnapKV2", (policies.SnapKV,), {}))
+    with pytest.raises(ValueError, match="register takes a Policy dataclass"):
+      policies.register(int)
+  finally:
+    policies._REGISTRY.pop("test_newest", None)
+  assert "test_newest" not in policies.names()

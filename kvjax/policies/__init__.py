@@ -32,6 +32,29 @@ _REGISTRY: dict[str, type[Policy]] = {
 }
 
 
+_BUILT_IN = frozenset(_REGISTRY)
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+  """Makes a policy class selectable by its ``name`` (usable as a class decorator).
+
+  Registering a name again replaces the earlier class (a notebook cell run
+  twice); the built-in names cannot be taken.
+
+  Raises:
+    ValueError: not a Policy dataclass, no ``name``, or a built-in name.
+  """
+  if not (isinstance(cls, type) and issubclass(cls, Policy) and dataclasses.is_dataclass(cls)):
+    raise ValueError(f"register takes a Policy dataclass, got {cls!r}")
+  name = getattr(cls, "name", "")
+  if not isinstance(name, str) or not name:
+    raise ValueError(f"{cls.__name__} needs its own `name: ClassVar[str] = ...`")
+  if name in _BUILT_IN:
+    raise ValueError(f"{name!r} is a built-in policy; give {cls.__name__} another name")
+  _REGISTRY[name] = cls
+  return cls
+
+
 def names() -> list[str]:
   """Names of the registered policies."""
   return sorted(_REGISTRY)
@@ -83,5 +106,6 @@ __all__ = [
     "delimiter_ids",
     "get",
     "names",
+    "register",
     "window_fields",
 ]
