@@ -116,9 +116,13 @@ def batch(lm: LanguageModel, prompts: Prompts, questions: Prompts | None, *, que
           chat_template: bool, options: Options) -> Batch:
   """Tokenizes and pads the prompts (and questions).
 
+  With ``chat_template`` each string prompt becomes a user turn of the model's
+  template, its question in the same turn (``_chat_turns``).
+
   Raises:
-    ValueError: an empty or out-of-vocabulary prompt, a question count that is
-      not the prompt count, or a prompt too long for the model's context.
+    ValueError: an empty or out-of-vocabulary prompt, ids that are not ints, a
+      question count that is not the prompt count, or a prompt too long for
+      the model's context.
   """
   for name, flag in (("query_aware", query_aware), ("chat_template", chat_template)):
     if not isinstance(flag, (bool, np.bool_)):
@@ -152,6 +156,7 @@ def _is_int(value) -> bool:
 
 
 def _as_list(prompts: Prompts, name: str) -> list:
+  """One string as a batch of one; a list (or numpy [B, T] ids) as a list; else ValueError."""
   if isinstance(prompts, str):
     return [prompts]
   if not isinstance(prompts, (Sequence, np.ndarray)) or isinstance(prompts, bytes):
@@ -219,7 +224,7 @@ def _tokenize(lm: LanguageModel, prompts: list, name: str) -> list[list[int]]:
 
 def _token_ids(row, name: str, vocab: int) -> list[int]:
   """A prompt given as ids: ints (numpy ints too) in [0, vocab); floats and strings refused."""
-  if isinstance(row, (bytes, dict)) or not isinstance(row, (Sequence, np.ndarray)):
+  if isinstance(row, bytes) or not isinstance(row, (Sequence, np.ndarray)):
     raise ValueError(f"{name} must be a string or a list of token ids, got {type(row).__name__}")
   for t in row:
     if not _is_int(t):
