@@ -1,7 +1,9 @@
 """Shared fixtures: the embedded SmolLM2 model, in kvjax and in transformers."""
 
+import gc
 import os
 
+import jax
 import pytest
 
 from kvjax.models import registry
@@ -46,3 +48,18 @@ def smollm2_hf(smollm2_path):
 def smollm2_hf_sdpa(smollm2_path):
   """As smollm2_hf with SDPA attention (kvpress's ChunkKVPress refuses eager)."""
   return _load_hf(smollm2_path, "sdpa")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+  """Frees each test module's compiled programs when it ends.
+
+  A worker runs hundreds of tests; on a CPU every compiled program keeps its
+  machine code in memory mappings of its own, and a worker that kept them
+  all reached the kernel's limit of 65,530 mappings per process and died.
+  """
+  yield
+  from kvjax.generation import compile as compile_lib
+  compile_lib.clear_programs()
+  jax.clear_caches()
+  gc.collect()

@@ -54,7 +54,8 @@ def compiled(fn: Callable, args: tuple, statics: dict) -> tuple[jax.stages.Compi
 
   ``args`` may be abstract (``jax.ShapeDtypeStruct``), to compile before the
   arrays exist. Argument 1 (the cache) is donated so XLA updates the page
-  pool in place.
+  pool in place. A ``mesh`` among the statics (not None) compiles the
+  program to run per device on that mesh (``kvjax.sharding.programs``).
 
   Returns:
     (the program, seconds spent compiling now: 0 when it was compiled before).
@@ -66,11 +67,29 @@ def compiled(fn: Callable, args: tuple, statics: dict) -> tuple[jax.stages.Compi
   if key in _PROGRAMS:
     return _PROGRAMS[key], 0.0
   start = time.perf_counter()
-  jitted = jax.jit(functools.partial(fn, **statics), donate_argnums=(1,))
-  program = compile_lowered(jitted.lower(*args), name)
+  statics = dict(statics)
+  mesh = statics.pop("mesh", None)
+  if mesh is None:
+    jitted = jax.jit(functools.partial(fn, **statics), donate_argnums=(1,))
+    program = compile_lowered(jitted.lower(*args), name)
+  else:
+    from kvjax.generation.programs import MESH_KINDS
+    from kvjax.sharding import programs as mesh_programs
+    program = mesh_programs.compile(fn, args, statics, mesh, MESH_KINDS[name],
+                                    functools.partial(compile_lowered, name=name))
   _PROGRAMS[key] = program
   COMPILE_COUNT[name] += 1
   return program, time.perf_counter() - start
+
+
+def clear_programs() -> None:
+  """Forgets every compiled program, so their memory and code can be freed.
+
+  A long-lived process that compiles many configurations (a test session,
+  a sweep over shapes) otherwise keeps each one, with its machine code, for
+  the rest of the process.
+  """
+  _PROGRAMS.clear()
 
 
 class Clock:
