@@ -26,6 +26,7 @@ from kvjax import backend as backend_lib
 from kvjax.cache.paged import EMPTY, PagedKVCache, check_array
 from kvjax.kernels import causal_attention as causal_attention_lib
 from kvjax.kernels.paged_attention import gather_pages
+from kvjax.sharding import collectives
 
 
 class Prompt(NamedTuple):
@@ -345,8 +346,9 @@ def chunk_attention(
   dense_q = jnp.where(on_chunk[..., None, None], dense_q, 0).reshape(b * kh, u, n // kh, h)
   head_lengths = total.reshape(b * kh)
   slot_pos = jnp.where(slot < head_lengths[:, None], union_pos.reshape(b * kh, u), 0)
-  kept, _ = select(layer, Prompt(None, slot_pos, head_lengths),
-                   dense_q, union_k.reshape(b * kh, u, 1, h), union_v.reshape(b * kh, u, 1, h))
+  with collectives.local():  # each row is one head: nothing to reduce across devices
+    kept, _ = select(layer, Prompt(None, slot_pos, head_lengths),
+                     dense_q, union_k.reshape(b * kh, u, 1, h), union_v.reshape(b * kh, u, 1, h))
   keep = (kept[:, 0] >= 0).reshape(b, kh, u) & (slot < total[..., None])
   # A sequence without new tokens keeps everything (its heads did not change).
   keep = jnp.where((lengths > 0)[:, None, None], keep, slot < cached[..., None])

@@ -67,6 +67,11 @@ class PagedKVCache:
     num_free: [] int32.
     page_size: S_page (static).
     capacity: slots each (layer, KV head) may hold, [L][K] (static).
+    shards: (data shards, model shards) of a cache laid over a device mesh
+      (``kvjax.sharding.empty_cache``), (1, 1) otherwise (static). On a mesh
+      the pools are cut into equal blocks of pages, one per device; a head's
+      pages lie in its device's block and its page ids, free stack and
+      ``num_free`` (then [devices]) are that block's own.
   """
 
   k_pages: jax.Array
@@ -79,6 +84,7 @@ class PagedKVCache:
   num_free: jax.Array
   page_size: int = struct.field(pytree_node=False)
   capacity: tuple[tuple[int, ...], ...] = struct.field(pytree_node=False)
+  shards: tuple[int, int] = struct.field(pytree_node=False, default=(1, 1))
 
   # ---------------------------------------------------------------- creation
 
@@ -515,9 +521,20 @@ class PagedKVCache:
   def kept_positions(self) -> jax.Array:
     """Original position of every kept slot: int32 [B, L, K, S], -1 when empty."""
     b, l, k, p_max = self.page_table.shape
-    pos = self.positions[jnp.maximum(self.page_table, 0)].reshape(b, l, k, -1)
+    pos = self.positions[jnp.maximum(self._pool_page_table(), 0)].reshape(b, l, k, -1)
     slot = jnp.arange(p_max * self.page_size)
     return jnp.where(slot < self.lengths[..., None], pos, EMPTY)
+
+
+  def _pool_page_table(self) -> jax.Array:
+    """[B, L, K, P_max] page ids into the whole pool (``shards``: a block's ids made global)."""
+    d, m = self.shards
+    if (d, m) == (1, 1):
+      return self.page_table
+    b, _, k, _ = self.page_table.shape
+    block = ((jnp.arange(b) // (b // d))[:, None] * m + jnp.arange(k) // (k // m))[:, None, :]
+    offset = block[..., None] * (self.num_pages // (d * m))  # [B, 1, K, 1]
+    return jnp.where(self.page_table >= 0, self.page_table + offset, EMPTY)
 
 
 def _check_layer(layer, num_layers: int) -> None:

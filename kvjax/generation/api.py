@@ -32,6 +32,8 @@ from kvjax.generation import programs
 from kvjax.generation import sampling
 from kvjax.generation.compile import Clock
 from kvjax.models.lm import LanguageModel
+from kvjax.sharding import layout
+from kvjax.sharding import mesh as mesh_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,12 @@ class GenerationStats:
   # in each of them; 0 when nothing is shared): summing prefill_s over runs
   # counts it once per run, summing prefill_s - shared_prefill_s does not.
   shared_prefill_s: float = 0.0
+  mesh_shape: tuple[int, int] = (1, 1)  # (data, model) shards the run was laid over
+
+  @property
+  def kv_bytes_per_device(self) -> int:
+    """Bytes of keys and values each device holds (the pool is split evenly)."""
+    return self.kv_bytes // (self.mesh_shape[0] * self.mesh_shape[1])
 
   @property
   def decode_tokens_per_s(self) -> float:
@@ -120,6 +128,7 @@ def generate_each(
     pad_multiple: int = 64,
     attention_block: int = attention_lib.PREFILL_BLOCK,
     prefill_chunk: int = 0,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> Iterator[GenerationResult]:
   """Generates for one batch of prompts under each (policy, budget) in turn.
 
@@ -165,6 +174,12 @@ def generate_each(
       policies that score from an observation window or from keys and values
       (``Policy.chunked_prefill``); the chunk must hold the window. Each run
       prefills on its own (its chunks attend to its own compressed cache).
+    mesh: a (data, model) device mesh (``kvjax.sharding.make_mesh``) to run on:
+      sequences split over ``data``, KV heads (with their query heads and the
+      MLP's columns) over ``model``, each device holding only its part of the
+      page pool. The tokens and kept positions are those of one device (greedy
+      decoding; sampling draws per data shard). The data axis must divide
+      the batch, the model axis the KV heads. None: the default device.
 
   Yields:
     A GenerationResult per run, in the order of ``runs``.
@@ -179,10 +194,13 @@ def generate_each(
   options = inputs.Options(
       max_new_tokens=max_new_tokens, page_size=page_size, backend=backend,
       pad_multiple=pad_multiple, attention_block=attention_block, prefill_chunk=prefill_chunk,
-      stop_ids=tuple(stop_ids), temperature=temperature, top_k=top_k, seed=seed)
+      stop_ids=tuple(stop_ids), temperature=temperature, top_k=top_k, seed=seed, mesh=mesh)
   runs = inputs.check(lm, runs, options)
   batch = inputs.batch(lm, prompts, questions, query_aware=query_aware,
                        chat_template=chat_template, options=options)
+  if mesh is not None:
+    mesh_lib.check_mesh(mesh, lm.config, batch.size)
+    lm = layout.shard_model(lm, mesh)
   shared, recorded = Clock(), None
   if len(runs) > 1 and not prefill_chunk:
     recorded = plan_lib.record(lm, batch, options, shared)
@@ -201,7 +219,8 @@ def _run(lm: LanguageModel, batch: inputs.Batch, options: inputs.Options,
   sampler = sampling.from_options(options.temperature, options.top_k)
   decode_options = dict(policy=plan.policy, limit=plan.limit,
                         max_new_tokens=options.max_new_tokens, backend=options.backend,
-                        stop_ids=options.stop_ids, sampler=sampler, seed=options.seed)
+                        stop_ids=options.stop_ids, sampler=sampler, seed=options.seed,
+                        mesh=options.mesh)
   # Compiled before the cache exists: the compiler's transient memory then
   # does not stack on the page pool and what the prefill leaves.
   abstract = jax.eval_shape(plan.new_cache)
@@ -224,7 +243,7 @@ def _run(lm: LanguageModel, batch: inputs.Batch, options: inputs.Options,
       prefill_s=clock.seconds["prefill"], decode_s=clock.seconds["decode"],
       decode_steps=int(steps) - 1, compile_s=clock.compile_s, kv_bytes=cache.kv_bytes,
       kv_capacity=cache.capacity, policy=plan.policy.name, budget=plan.budget,
-      backend=backend_lib.resolve(options.backend, "paged_attention"))
+      backend=backend_lib.resolve(options.backend, "paged_attention"), mesh_shape=cache.shards)
   return GenerationResult(texts, token_ids, stats, cache)
 
 

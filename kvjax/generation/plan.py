@@ -24,6 +24,7 @@ from kvjax.generation.compile import Clock
 from kvjax.generation.inputs import Batch, Options
 from kvjax.host_memory import to_device
 from kvjax.models.lm import LanguageModel
+from kvjax.sharding import layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,12 +98,14 @@ def plan_run(lm: LanguageModel, batch: Batch, policy: policies_lib.Policy, budge
   limit = np.broadcast_to(
       np.asarray(budgets, np.int32)[None, :, None] + batch.question_lengths[:, None, None],
       (batch.size, cfg.num_layers, cfg.num_kv_heads))
+  create = (PagedKVCache.create if options.mesh is None
+            else functools.partial(layout.empty_cache, options.mesh))
   new_cache = functools.partial(
-      PagedKVCache.create, batch_size=batch.size, capacity=capacity,
+      create, batch_size=batch.size, capacity=capacity,
       num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
       page_size=options.page_size, dtype=lm.dtype)
   statics = dict(graphdef=lm.graphdef, policy=policy, budget=budget, budgets=budgets,
-                 backend=options.backend)
+                 backend=options.backend, mesh=options.mesh)
   return RunPlan(policy, budget, budgets, capacity, limit,
                  _prefill(lm, batch, options, statics, recorded), new_cache)
 
@@ -138,10 +141,13 @@ def record(lm: LanguageModel, batch: Batch, options: Options, clock: Clock) -> R
   """Runs the prompt's forward pass once, recording every layer's q, k and v."""
   cfg = lm.config
   shape = (cfg.num_layers, batch.size, batch.prompt_len)
-  buffers = tuple(jnp.zeros(shape + (heads, cfg.head_dim), lm.dtype)
+  zeros = (jnp.zeros if options.mesh is None
+           else lambda shape, dtype: layout.zeros(options.mesh, shape, dtype, "recorded"))
+  buffers = tuple(zeros(shape + (heads, cfg.head_dim), lm.dtype)
                   for heads in (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads))
   args = (lm.params, buffers, to_device(batch.tokens), to_device(batch.lengths))
-  statics = dict(graphdef=lm.graphdef, block=options.attention_block, backend=options.backend)
+  statics = dict(graphdef=lm.graphdef, block=options.attention_block, backend=options.backend,
+                 mesh=options.mesh)
   return Recorded(*clock.run("prefill", programs.record, args, statics))
 
 
@@ -150,18 +156,18 @@ def append_questions(lm: LanguageModel, batch: Batch, options: Options, clock: C
   """Appends the questions to the cache uncompressed; returns (cache, logits [B, V])."""
   args = (lm.params, cache, to_device(batch.question_tokens), to_device(batch.question_lengths),
           to_device(batch.lengths))
-  statics = dict(graphdef=lm.graphdef, backend=options.backend)
+  statics = dict(graphdef=lm.graphdef, backend=options.backend, mesh=options.mesh)
   return clock.run("prefill", programs.extend, args, statics)
 
 
 def decode_call(lm: LanguageModel, cache, logits, next_positions, *,
                 policy: policies_lib.Policy, limit, max_new_tokens: int, backend: str,
-                stop_ids, sampler: sampling.Sampler, seed: int) -> tuple[tuple, dict]:
+                stop_ids, sampler: sampling.Sampler, seed: int, mesh=None) -> tuple[tuple, dict]:
   """(arguments, statics) of ``programs.decode``; cache and logits may be abstract."""
   pad_id = lm.tokenizer.pad_id if lm.tokenizer is not None else 0
   args = (lm.params, cache, logits, to_device(next_positions, np.int32),
           to_device(limit, np.int32), to_device(seed, np.uint32),
           to_device(list(stop_ids) or [-1], np.int32), sampler, to_device(pad_id, np.int32))
   statics = dict(graphdef=lm.graphdef, policy=policy, max_new_tokens=max_new_tokens,
-                 backend=backend)
+                 backend=backend, mesh=mesh)
   return args, statics

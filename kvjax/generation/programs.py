@@ -24,6 +24,20 @@ from kvjax import backend as backend_lib
 from kvjax.cache import attention as attention_lib
 from kvjax.generation.state import DecodeState
 
+# What each program's arguments and results are, for running it per device on
+# a mesh (``kvjax.sharding.programs``): "params", "cache", or a kind of
+# ``kvjax.sharding.layout.SPECS``; "to_host" results are gathered whole.
+MESH_KINDS = {
+    "prefill": (("params", "cache", "batch", "batch"), ("cache", "batch")),
+    "record": (("params", "recorded", "batch", "batch"), ("recorded", "batch")),
+    "store": (("params", "cache", "recorded", "batch", "batch"), "cache"),
+    "prefill_chunk": (("params", "cache", "batch", "batch", "batch", "batch"),
+                      ("cache", "batch")),
+    "extend": (("params", "cache", "batch", "batch", "batch"), ("cache", "batch")),
+    "decode": (("params", "cache", "batch", "batch", "heads", "replicated", "replicated",
+                "replicated", "replicated"), ("to_host", "replicated", "cache")),
+}
+
 
 def _positions(tokens: jax.Array, offsets: jax.Array | None = None) -> jax.Array:
   """[B, T] int32 position of each token: from 0, or from each row's offset [B]."""

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.cache.paged import PagedKVCache
+from kvjax.sharding import collectives
 
 
 @struct.dataclass
@@ -34,7 +35,7 @@ class DecodeState:
 
   def running(self) -> jax.Array:
     """Whether another step is due: tokens are left to write and a sequence is not done."""
-    return (self.step < self.tokens.shape[1]) & ~jnp.all(self.done)
+    return (self.step < self.tokens.shape[1]) & ~collectives.all_anywhere(self.done)
 
   def last(self) -> jax.Array:
     """[B] int32: the token the next step feeds through the model."""

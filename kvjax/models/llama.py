@@ -40,6 +40,7 @@ from kvjax import backend as backend_lib
 from kvjax.kernels import quantized
 from kvjax.models import rope as rope_lib
 from kvjax.models.config import LlamaConfig
+from kvjax.sharding import collectives
 
 AttendFn = Callable[[Any, jax.Array, jax.Array, jax.Array, jax.Array], tuple[Any, jax.Array]]
 
@@ -115,9 +116,10 @@ class DecoderLayer(nnx.Module):
     b, t, _ = x.shape
     q, k, v = self.qkv(self.attn_norm(x), cos, sin)
     state, attn = attend(state, layer, q, k, v)
-    x = x + matmul(attn.reshape(b, t, -1), self.wo[...])
+    # On a mesh each model shard holds some heads and MLP columns: a partial sum.
+    x = x + collectives.model_sum(matmul(attn.reshape(b, t, -1), self.wo[...]))
     gate, up = jnp.split(matmul(self.mlp_norm(x), self.w_gate_up[...]), 2, axis=-1)
-    x = x + matmul(jax.nn.silu(gate) * up, self.w_down[...])
+    x = x + collectives.model_sum(matmul(jax.nn.silu(gate) * up, self.w_down[...]))
     return x, state
 
 

@@ -42,6 +42,7 @@ from kvjax.cache.paged import EMPTY
 from kvjax.policies import scoring
 from kvjax.policies import selection
 from kvjax.policies.base import Policy
+from kvjax.sharding import collectives
 
 NORM_VARIANTS = ("v_over_k", "v", "inv_k", "k_plus_v")
 
@@ -107,7 +108,7 @@ class PagedEviction(Policy):
     """One score for all KV heads of a layer (the prototype's) unless per_head."""
     if self.per_head:
       return scores
-    return jnp.broadcast_to(scores.mean(axis, keepdims=True), scores.shape)
+    return jnp.broadcast_to(collectives.heads_mean(scores, axis, keepdims=True), scores.shape)
 
   def score(self, prompt, q, k, v):
     """[B, K, T] norm score per token; -inf on padding."""
@@ -145,7 +146,7 @@ class PagedEviction(Policy):
     sums = per_slot.reshape(table.shape + (ps,)).sum(-1)  # [B, L, K, P_max]
     if not self.per_head:
       # Sum over the layer's heads (their pages hold the same positions).
-      sums = jnp.broadcast_to(sums.sum(2, keepdims=True), sums.shape)
+      sums = jnp.broadcast_to(collectives.heads_sum(sums, 2, keepdims=True), sums.shape)
     return jnp.where(table >= 0, sums, jnp.inf)
 
   def evict_page(self, cache) -> jax.Array:
@@ -173,4 +174,5 @@ class PagedEviction(Policy):
       return cache.drop_pages(jnp.where(full, self.evict_page(cache), EMPTY))
 
     # A page is evicted once every page_size steps: skip the scoring otherwise.
-    return jax.lax.cond(jnp.any(full), evict, lambda c: c, cache)
+    # On a mesh every shard takes the same branch: the branch holds collectives.
+    return jax.lax.cond(collectives.any_anywhere(full), evict, lambda c: c, cache)

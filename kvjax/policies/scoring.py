@@ -22,6 +22,7 @@ from kvjax.kernels.window_scoring import attention_received
 from kvjax.kernels.window_scoring import avg_pool
 from kvjax.kernels.window_scoring import reduce_group
 from kvjax.policies import selection
+from kvjax.sharding import collectives
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +58,7 @@ class WindowScorer:
     # Mean and pooling are linear, so pooling the group mean equals SnapKV's
     # pool-then-reduce for group="mean"; for "max" it pools the maximum.
     scores = jnp.where(prefix[:, None], avg_pool(raw, self.kernel), 0.0)
-    return scores, raw.mean(1)
+    return scores, collectives.heads_mean(raw, 1)
 
 
 def snapkv_scores(q, k, lengths, *, window: int, kernel: int, group: str = "mean") -> jax.Array:
@@ -87,8 +88,8 @@ def force_window(scores: jax.Array, lengths: jax.Array, window: int) -> jax.Arra
   start = (lengths - window)[:, None, None]
   end = lengths[:, None, None]
   prefix = key_pos < start
-  top = jnp.max(jnp.where(prefix & jnp.isfinite(scores), scores, -jnp.inf), axis=(1, 2),
-                keepdims=True)
+  top = collectives.heads_max(jnp.where(prefix & jnp.isfinite(scores), scores, -jnp.inf),
+                             axis=(1, 2), keepdims=True)
   top = jnp.where(jnp.isfinite(top), top, 0.0)
   scores = jnp.where(prefix, scores, top + 1.0)
   return jnp.where(key_pos < end, scores, -jnp.inf)
