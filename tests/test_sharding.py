@@ -98,7 +98,7 @@ def child(job: dict) -> None:
         continue
       base = None if job.get("no_baseline") else _run(lm, job, policy, chunk, None)
       for shape in job["meshes"]:
-        mesh = kvjax.sharding.make_mesh(tuple(shape))
+        mesh = kvjax.sharding.make_mesh(tuple(shape), devices=jax.devices()[:np.prod(shape)])
         result = _run(lm, job, policy, chunk, mesh)
         pool = result.cache.k_pages
         row = dict(policy=policy, chunk=chunk, mesh=shape, tokens=result.token_ids,
@@ -197,6 +197,43 @@ def test_two_processes_generate_what_one_device_does():
     assert row["tokens"] == base.token_ids, f"process {i}"
     assert len(row["pool_shard_bytes"]) == 4  # its own 4 devices' blocks
     assert row["kv_bytes_per_device"] * 8 == row["kv_bytes"]
+
+
+def test_eval_cli_splits_the_kv_heads_over_a_mesh(tmp_path):
+  """``--mesh=model:3`` on 3 devices: SmolLM2's heads split, rows say so; a data axis
+  (the eval runs one sample at a time) is refused on one line, exit 2."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=3",
+             JAX_PLATFORMS="cpu")
+  args = [sys.executable, "-m", "kvjax.eval", "--policies=full,snapkv", "--budgets=64",
+          "--lengths=320", "--depths=0.5", "--haystacks=repeat"]
+  done = subprocess.run(args + ["--mesh=model:3", f"--out={tmp_path}/a"], env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  rows = [json.loads(line) for line in (tmp_path / "a" / "results.jsonl").read_text().splitlines()]
+  assert [r["policy"] for r in rows] == ["full", "snapkv"]
+  for r in rows:
+    assert r["mesh"] == "model:3" and r["kv_bytes_per_device"] * 3 == r["kv_bytes"]
+  assert rows[0]["correct"]  # the full cache answers this prompt, as on one device
+  bad = subprocess.run(args + ["--mesh=data:3", f"--out={tmp_path}/b"], env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert bad.returncode == 2
+  assert bad.stderr.strip().splitlines()[-1].startswith("error: --mesh data:3: the eval runs "
+                                                         "one sample at a time")
+
+
+@pytest.mark.slow  # loads and compiles SmolLM2 for a prompt run
+def test_bench_cli_reports_kv_bytes_per_device(tmp_path):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=3",
+             JAX_PLATFORMS="cpu")
+  done = subprocess.run(
+      [sys.executable, "-m", "kvjax.bench", "--policies=snapkv", "--budget=128",
+       "--context_lengths=512", "--decode_steps=2", "--repeats=1", "--noisolate",
+       "--mesh=model:3", f"--out={tmp_path}"], env=env, capture_output=True, text=True,
+      timeout=900)
+  assert done.returncode == 0, done.stderr[-3000:]
+  (row,) = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+  assert row["mesh"] == "model:3" and row["fill"] == "prompt"
+  assert row["kv_bytes_per_device"] * 3 == row["kv_bytes"]
 
 
 # ------------------------------------------------------------------- in-process checks

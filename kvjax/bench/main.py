@@ -52,6 +52,8 @@ flags.DEFINE_list("context_lengths", ["4096", "8000", "16384", "32768"],
 flags.DEFINE_integer("batch_size", _D.batch_size, "Sequences decoded together.")
 flags.DEFINE_integer("decode_steps", _D.decode_steps, "Decode steps timed per run.")
 flags.DEFINE_integer("prefill_chunk", _D.prefill_chunk, "Chunked prefill (0 = one shot).")
+flags.DEFINE_string("mesh", _D.mesh, "A device mesh, e.g. data:2,model:4 (sequences over data, "
+                    "KV heads over model; docs/sharding.md); empty: one device.")
 flags.DEFINE_enum("backend", _D.backend, ["auto", "xla", "pallas", "native"], "Kernel backend.")
 flags.DEFINE_enum("fill", _D.fill, ["auto", "prompt", "synthetic"],
                   "How the cache is filled: a real prompt, synthetic entries, or auto "
@@ -85,7 +87,7 @@ flags.DEFINE_string("child", None, "Internal: run one configuration (JSON) and p
 
 # What --help lists, by group.
 HELP_GROUPS = (
-    ("what to run", ("model", "packed", "scan_layers", "policies", "budget", "backend")),
+    ("what to run", ("model", "packed", "scan_layers", "policies", "budget", "backend", "mesh")),
     ("cache and decoding", ("context_lengths", "fill", "batch_size", "decode_steps",
                             "prefill_chunk", "window")),
     ("measuring", ("repeats", "isolate", "compilation_cache")),
@@ -148,7 +150,7 @@ def configs() -> list[runner.BenchConfig]:
       prefill_chunk=FLAGS.prefill_chunk if p != "full" else 0, backend=FLAGS.backend,
       fill=FLAGS.fill, repeats=FLAGS.repeats, window=FLAGS.window,
       scan_layers=FLAGS.scan_layers, packed=FLAGS.packed,
-      compilation_cache=cache_dir)
+      compilation_cache=cache_dir, mesh=FLAGS.mesh)
       for n in lengths for p in FLAGS.policies]
 
 

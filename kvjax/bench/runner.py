@@ -56,6 +56,7 @@ class BenchConfig:
   scan_layers: bool = True  # False: per-layer weights, layers unrolled (kvjax.load)
   packed: bool = False  # GGUF Q4_1 / Q8_0 matrices kept as their blocks (kvjax.load)
   compilation_cache: str | None = None  # JAX's persistent compilation cache folder
+  mesh: str = ""  # "data:2,model:4": a device mesh (kvjax.sharding.make_mesh); "" one device
 
 
 def peak_rss_bytes() -> int:
@@ -164,6 +165,9 @@ def measure(cfg: BenchConfig, lm=None) -> dict:
   fill = resolve_fill(cfg, lm.config)
   fields = policies.window_fields(cfg.policy, cfg.window)
   policy = make_policy(cfg, lm.tokenizer)
+  if cfg.mesh and fill != "prompt":
+    raise ValueError("--mesh measures prompt runs only (a synthetic fill writes a one-device "
+                     "cache); use --fill=prompt")
   load_peak, rss_loaded, rss_file = peak_rss_bytes(), rss_bytes(), rss_bytes("RssFile")
   run = _prompt_run if fill == "prompt" else synthetic_decode
   with buffer_memory.track() as buffers:
@@ -182,6 +186,7 @@ def measure(cfg: BenchConfig, lm=None) -> dict:
       "fill": fill, "backend": kvjax.backend.resolve(cfg.backend), "scan_layers": lm.scan_layers,
       "packed": lm.packed,
       "device": jax.devices()[0].platform,
+      "mesh": cfg.mesh, "kv_bytes_per_device": row.pop("kv_bytes_per_device", row["kv_bytes"]),
       "decode_ms_per_token": 1e3 * decode_s / steps,
       "decode_tokens_per_s": cfg.batch_size * steps / decode_s,
       "peak_rss_bytes": peak_rss_bytes(), "rss_after_load_bytes": rss_loaded,
@@ -219,7 +224,8 @@ def _prompt_run(lm, cfg: BenchConfig, policy) -> dict:
   prompts = [sample.prompt] * cfg.batch_size
   kwargs = dict(policy=policy, budget=cfg.budget, max_new_tokens=new_tokens(cfg),
                 stop_ids=[], backend=cfg.backend, page_size=cfg.page_size,
-                prefill_chunk=cfg.prefill_chunk)
+                prefill_chunk=cfg.prefill_chunk,
+                mesh=kvjax.sharding.make_mesh(cfg.mesh) if cfg.mesh else None)
   # Only the stats are kept: a run's result holds its cache, and a measured
   # run's peak should not include an earlier run's cache.
   first = kvjax.generate(lm, prompts, **kwargs).stats  # warm-up: compiles every program
@@ -227,7 +233,8 @@ def _prompt_run(lm, cfg: BenchConfig, policy) -> dict:
   best = min(runs, key=lambda r: r.decode_s)
   return {"prefill_s": min(r.prefill_s for r in runs), "decode_s": best.decode_s,
           "steps": best.decode_steps, "compile_s": first.compile_s,
-          "kv_bytes": best.kv_bytes, "prompt_tokens": best.prompt_tokens[0]}
+          "kv_bytes": best.kv_bytes, "kv_bytes_per_device": best.kv_bytes_per_device,
+          "prompt_tokens": best.prompt_tokens[0]}
 
 
 def cache_budgets(lm, cfg: BenchConfig, policy) -> tuple[int, ...]:

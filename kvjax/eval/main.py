@@ -46,12 +46,14 @@ flags.DEFINE_string("metric", _D.metric, "contains, qa_f1, rouge_l, classificati
                     "code_sim, or auto (contains for synthetic tasks, qa_f1 for datasets).")
 flags.DEFINE_bool("packed", _D.packed, "Keep a GGUF model's Q4_1 / Q8_0 matrices as their "
                   "blocks (the same weights, read in place by the products; see kvjax.load).")
+flags.DEFINE_string("mesh", _D.mesh, "A device mesh for the KV heads, e.g. model:3 "
+                    "(docs/sharding.md); empty: one device.")
 flags.DEFINE_string("out", "results/eval", "Output folder.")
 
 
 # What --help lists, by group.
 HELP_GROUPS = (
-    ("what to run", ("model", "packed", "policies", "budgets", "backend")),
+    ("what to run", ("model", "packed", "policies", "budgets", "backend", "mesh")),
     ("prompts", ("task", "dataset", "haystacks", "lengths", "depths", "num_samples", "seed")),
     ("generation", ("query_aware", "window", "prefill_chunk", "max_new_tokens")),
     ("scoring and output", ("metric", "out")),
@@ -80,7 +82,7 @@ def config_from_flags() -> runner.EvalConfig:
         depths=_numbers("depths", float), num_samples=FLAGS.num_samples, seed=FLAGS.seed,
         query_aware=FLAGS.query_aware, window=FLAGS.window, prefill_chunk=FLAGS.prefill_chunk,
         backend=FLAGS.backend, max_new_tokens=FLAGS.max_new_tokens, dataset=FLAGS.dataset,
-        metric=FLAGS.metric, packed=FLAGS.packed)
+        metric=FLAGS.metric, packed=FLAGS.packed, mesh=FLAGS.mesh)
   except ValueError as e:
     raise UsageError(str(e)) from None
   compressed = [p for p in cfg.policies if p != "full"]

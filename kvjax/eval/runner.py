@@ -66,6 +66,7 @@ class EvalConfig:
   metric: str = "auto"  # "auto": contains for synthetic tasks, qa_f1 for datasets
   page_size: int = 16
   packed: bool = False  # GGUF Q4_1 / Q8_0 matrices kept as their blocks (kvjax.load)
+  mesh: str = ""  # "model:3": KV heads over devices (kvjax.sharding.make_mesh); "" one device
 
   def __post_init__(self):
     if self.task not in TASKS:
@@ -188,6 +189,8 @@ def run(cfg: EvalConfig, out: str | pathlib.Path, *, progress: bool = True,
   if lm is None:
     lm = kvjax.load(cfg.model, packed=cfg.packed)
   _check_runs(cfg)
+  if cfg.mesh:  # a mesh that cannot split the model fails here, before any work
+    kvjax.sharding.check_mesh(_mesh(cfg.mesh), lm.config)
   samples = make_samples(lm.require_tokenizer("the task's prompts"), cfg,
                          lm.config.max_position_embeddings - 64)
   check_unique_ids(samples)
@@ -271,7 +274,8 @@ def _generate(lm, cfg: EvalConfig, runs, sample: Sample):
   results = kvjax.generate_each(
       lm, [tok.encode(sample.context)], runs, questions=[tok.encode(sample.question)],
       query_aware=cfg.query_aware, max_new_tokens=cfg.max_new_tokens or sample.max_new_tokens,
-      backend=cfg.backend, page_size=cfg.page_size, prefill_chunk=cfg.prefill_chunk)
+      backend=cfg.backend, page_size=cfg.page_size, prefill_chunk=cfg.prefill_chunk,
+      mesh=_mesh(cfg.mesh))
   for result in results:
     prediction = result.texts[0]
     score, correct = metrics_lib.score(sample.metric, prediction, sample.answers,
@@ -280,4 +284,17 @@ def _generate(lm, cfg: EvalConfig, runs, sample: Sample):
     yield {"correct": correct, "score": score, "prediction": prediction,
            "answer": list(sample.answers), "prefill_s": s.prefill_s,
            "shared_prefill_s": s.shared_prefill_s, "decode_s": s.decode_s,
-           "compile_s": s.compile_s, "kv_bytes": s.kv_bytes, "backend": s.backend}
+           "compile_s": s.compile_s, "kv_bytes": s.kv_bytes,
+           "kv_bytes_per_device": s.kv_bytes_per_device, "mesh": cfg.mesh, "backend": s.backend}
+
+
+def _mesh(shape: str):
+  """The run's mesh; the eval generates one sample at a time, so its data axis is 1."""
+  if not shape:
+    return None
+  from kvjax import sharding
+  mesh = sharding.make_mesh(shape)
+  if mesh.shape[sharding.DATA] != 1:
+    raise ValueError(f"--mesh {shape}: the eval runs one sample at a time, so its data axis "
+                     "must be 1 (split the KV heads: --mesh=model:N)")
+  return mesh

@@ -177,9 +177,10 @@ def generate_each(
     mesh: a (data, model) device mesh (``kvjax.sharding.make_mesh``) to run on:
       sequences split over ``data``, KV heads (with their query heads and the
       MLP's columns) over ``model``, each device holding only its part of the
-      page pool. The tokens and kept positions are those of one device (greedy
-      decoding; sampling draws per data shard). The data axis must divide
-      the batch, the model axis the KV heads. None: the default device.
+      page pool. Greedy tokens and kept positions are those of one device (up
+      to float rounding: docs/sharding.md); sampling draws with keys of each
+      data shard's own. The data axis must divide the batch, the model axis
+      the KV heads. None: the default device.
 
   Yields:
     A GenerationResult per run, in the order of ``runs``.

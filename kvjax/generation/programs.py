@@ -23,6 +23,7 @@ from flax import nnx
 from kvjax import backend as backend_lib
 from kvjax.cache import attention as attention_lib
 from kvjax.generation.state import DecodeState
+from kvjax.sharding import collectives
 
 # What each program's arguments and results are, for running it per device on
 # a mesh (``kvjax.sharding.programs``): "params", "cache", or a kind of
@@ -165,7 +166,8 @@ def decode(params, cache, first_logits, next_positions, limit, seed, stops, samp
     (tokens [B, max_new_tokens] int32, steps run (1 + forward passes), cache).
   """
   with backend_lib.use(backend):
-    rng, key = jax.random.split(jax.random.key(seed))
+    # On a mesh each data shard samples its sequences with keys of its own.
+    rng, key = jax.random.split(collectives.data_shard_key(jax.random.key(seed)))
     state = DecodeState.start(sampler(first_logits, key), cache, rng,
                               max_new_tokens=max_new_tokens, pad_id=pad_id, stops=stops)
 

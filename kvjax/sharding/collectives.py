@@ -71,6 +71,12 @@ def heads_max(x: jax.Array, axis, keepdims: bool = False) -> jax.Array:
   return jax.lax.pmax(top, _model()) if _model() else top
 
 
+def data_shard_key(key: jax.Array) -> jax.Array:
+  """A random key of this data shard's own, so sequences on different shards draw apart."""
+  data = getattr(_AXES, "data", None)
+  return jax.random.fold_in(key, jax.lax.axis_index(data)) if data else key
+
+
 def any_anywhere(x: jax.Array) -> jax.Array:
   """``jnp.any(x)`` over the whole mesh: a branch or loop condition every shard agrees on."""
   local = jnp.any(x)
