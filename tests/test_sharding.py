@@ -83,7 +83,8 @@ def _run(lm, job, policy, chunk, mesh):
   budget = None if policy == "full" else BUDGET
   return kvjax.generate(lm, _prompts(job["batch"], policy, job["model"]), policy=policy,
                         budget=budget,
-                        max_new_tokens=job["new_tokens"], prefill_chunk=chunk, mesh=mesh)
+                        max_new_tokens=job["new_tokens"], prefill_chunk=chunk, mesh=mesh,
+                        backend=job.get("backend", "auto"))
 
 
 def child(job: dict) -> None:
@@ -169,6 +170,14 @@ def test_every_policy_on_a_mixed_mesh_equals_one_device():
   """The six policies on (2,4), one-shot and (where they can) chunked."""
   rows = _rows(_spawn(_job(policies=POLICIES, chunks=[0, CHUNK], meshes=[(2, 4)])))
   _check_rows(rows, len(POLICIES) + len(CHUNKED))
+
+
+def test_pallas_kernels_run_per_device():
+  """backend="pallas" (interpret mode on a CPU): paged attention, window scoring and
+  compaction as Pallas calls inside each device's program, as on one device."""
+  rows = _rows(_spawn(_job(policies=["snapkv", "paged_eviction"], meshes=[(2, 4)],
+                           backend="pallas")))
+  _check_rows(rows, 2)
 
 
 @pytest.mark.slow  # ~3 minutes: every policy on every mesh
