@@ -525,7 +525,6 @@ class PagedKVCache:
     slot = jnp.arange(p_max * self.page_size)
     return jnp.where(slot < self.lengths[..., None], pos, EMPTY)
 
-
   def _pool_page_table(self) -> jax.Array:
     """[B, L, K, P_max] page ids into the whole pool (``shards``: a block's ids made global)."""
     d, m = self.shards

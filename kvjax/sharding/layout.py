@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvjax.cache.paged import PagedKVCache, _capacity_table
+from kvjax.models.llama import Llama
 from kvjax.sharding.mesh import DATA, MODEL, check_mesh, mesh_sizes
 
 # What one array of a program is, on the mesh -> its PartitionSpec (a prefix
@@ -88,7 +89,6 @@ def local_config(config, model_shards: int):
 
 
 def _local_graphdef(lm, model_shards: int):
-  from kvjax.models.llama import Llama  # models import this package's collectives
   config = local_config(lm.config, model_shards)
   abstract = nnx.eval_shape(lambda: Llama(config, dtype=lm.dtype, rngs=nnx.Rngs(0),
                                           scan_layers=lm.scan_layers))
