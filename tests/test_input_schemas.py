@@ -463,15 +463,18 @@ def test_a_folder_without_a_tokenizer_loads_and_names_what_is_missing(tmp_path, 
   assert lm.tokenizer is None
   out = kvjax.generate(lm, [[1, 2, 3]], max_new_tokens=2)  # token ids need no tokenizer
   assert 1 <= len(out.token_ids[0]) <= 2
-  with pytest.raises(ValueError, match=rf"{folder}: no tokenizer\.json in the folder, so "
-                                       r"the prompts cannot be encoded"):
+  missing = rf"{folder}: no tokenizer\.json or tokenizer\.model in the folder"
+  with pytest.raises(ValueError, match=missing + r", so the prompts cannot be encoded"):
     lm.require_tokenizer("the prompts")
-  with pytest.raises(ValueError, match=rf"{folder}: no tokenizer\.json in the folder, so "
-                                       r"prompt 0 \(a string\) cannot be encoded"):
+  with pytest.raises(ValueError, match=missing + r", so prompt 0 \(a string\) cannot be "
+                                                 r"encoded"):
     kvjax.generate(lm, ["text"], max_new_tokens=2)
-  (folder / "tokenizer.model").write_bytes(b"\0")
-  with pytest.raises(ValueError, match=r"it has tokenizer\.model, which kvjax does not read"):
+  (folder / "vocab.json").write_text("{}")
+  with pytest.raises(ValueError, match=r"it has vocab\.json, which kvjax does not read"):
     lm.require_tokenizer()
+  (folder / "tokenizer.model").write_bytes(b"\0")
+  with pytest.raises(ValueError, match=r"tokenizer\.model: not a readable SentencePiece model"):
+    kvjax.load(folder)
   random = kvjax.init_random(kvjax.LlamaConfig(V, D, L, N, KV, H, F))
   with pytest.raises(ValueError, match="random:0: this model has no tokenizer"):
     random.require_tokenizer()

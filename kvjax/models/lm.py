@@ -69,8 +69,9 @@ class LanguageModel:
   def require_tokenizer(self, purpose: str = "text"):
     """The tokenizer, or a ValueError naming the model, what is missing and why it is needed.
 
-    A checkpoint folder without a ``tokenizer.json`` loads (token-id prompts
-    need no tokenizer); what needs text asks for the tokenizer here.
+    A checkpoint folder without a ``tokenizer.json`` or ``tokenizer.model``
+    loads (token-id prompts need no tokenizer); what needs text asks for the
+    tokenizer here.
     """
     if self.tokenizer is not None:
       return self.tokenizer
@@ -78,10 +79,11 @@ class LanguageModel:
     if not folder.is_dir():
       raise ValueError(f"{self.source}: this model has no tokenizer, so {purpose} cannot be "
                        "encoded; pass token ids")
-    other = [f.name for f in (folder / "tokenizer.model", folder / "vocab.json") if f.is_file()]
+    other = [f.name for f in (folder / "vocab.json",) if f.is_file()]
     found = f" (it has {', '.join(other)}, which kvjax does not read)" if other else ""
-    raise ValueError(f"{folder}: no tokenizer.json in the folder{found}, so {purpose} cannot be "
-                     "encoded; add the checkpoint's tokenizer.json, or pass token ids")
+    raise ValueError(f"{folder}: no tokenizer.json or tokenizer.model in the folder{found}, so "
+                     f"{purpose} cannot be encoded; add the checkpoint's tokenizer file, or pass "
+                     "token ids")
 
   def forward(self, token_ids) -> jax.Array:
     """Full causal attention, no cache: token_ids [B, T] -> float32 logits [B, T, V]."""
@@ -293,7 +295,8 @@ def load(name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype=jnp
   that much less; on CPU the native kernels multiply by the blocks in place.
   Other tensors, and safetensors checkpoints, load as floats.
 
-  A checkpoint folder without ``tokenizer.json`` loads with ``tokenizer``
+  A folder's tokenizer is its ``tokenizer.json``, else its SentencePiece
+  ``tokenizer.model``. A checkpoint folder with neither loads with ``tokenizer``
   None: generation from token ids works, and whatever needs text raises a
   ValueError naming the folder (``LanguageModel.require_tokenizer``). A chat
   template that does not compile is reported when a chat prompt is asked for.
@@ -304,8 +307,8 @@ def load(name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype=jnp
     from kvjax.models import safetensors_loader
     from kvjax.models.tokenizer import Tokenizer
     config, weights = safetensors_loader.load_safetensors(path)
-    tok_file = path / "tokenizer.json"
-    tokenizer = Tokenizer.from_file(tok_file) if tok_file.exists() else None
+    has_tokenizer = any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model"))
+    tokenizer = Tokenizer.from_file(path) if has_tokenizer else None
   else:
     from kvjax.models import gguf_loader
     from kvjax.models.tokenizer import Tokenizer

@@ -2,7 +2,9 @@
 
 A `Tokenizer` wraps a Hugging Face `tokenizers.Tokenizer`. It is built either
 from GGUF metadata (vocabulary, merges, token types and special ids stored in
-the file) or from a `tokenizer.json` of a Hugging Face checkpoint folder.
+the file) or from a `tokenizer.json` of a Hugging Face checkpoint folder; a
+folder with only a SentencePiece `tokenizer.model` is read with `sentencepiece`
+(`kvjax.models.sentencepiece_backend`).
 
 GGUF byte-level BPE tokenizers name their pre-tokenizer in `tokenizer.ggml.pre`
 (llama.cpp's list of regexes). Each supported name maps to the equivalent
@@ -27,6 +29,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
 from kvjax.models.gguf_loader import GGUFMetadata, GGUFTokenizerData, read_gguf_metadata
+from kvjax.models.sentencepiece_backend import SentencePieceBackend
 
 # llama.cpp token types (enum llama_token_type).
 _TOKEN_TYPE_CONTROL = 3
@@ -241,21 +244,28 @@ class Tokenizer:
 
   @classmethod
   def from_file(cls, path: str | os.PathLike, chat_template: str | None = None) -> Tokenizer:
-    """Builds from a Hugging Face `tokenizer.json` (or the folder holding it).
+    """Builds from a Hugging Face `tokenizer.json` (or the folder holding it), or from
+    a SentencePiece `tokenizer.model` (a folder with one and no `tokenizer.json`).
 
     Special tokens and the chat template come from `tokenizer_config.json` (or
     `chat_template.jinja`) beside it, extra stop ids from `generation_config.json`.
     """
     path = pathlib.Path(path)
     if path.is_dir():
+      spm = path / "tokenizer.model"
       path = path / "tokenizer.json"
+      if not path.is_file() and spm.is_file():
+        path = spm
     if not path.is_file():
       raise ValueError(f"no tokenizer file at {path}")
     folder = path.parent
-    try:
-      backend = tokenizers.Tokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers raises a bare Exception for any bad file
-      raise ValueError(f"{path}: not a readable tokenizer.json: {e}") from None
+    if path.suffix == ".model":  # SentencePiece (Llama 2, Mistral, Gemma)
+      backend = SentencePieceBackend(path)
+    else:
+      try:
+        backend = tokenizers.Tokenizer.from_file(str(path))
+      except Exception as e:  # tokenizers raises a bare Exception for any bad file
+        raise ValueError(f"{path}: not a readable tokenizer.json: {e}") from None
     config_file = folder / "tokenizer_config.json"
     config = _read_json_object(config_file)
 
@@ -270,11 +280,14 @@ class Tokenizer:
     if chat_template is None:
       chat_template, origin = _folder_chat_template(folder, config)
     extra = _generation_stop_ids(folder / "generation_config.json")
-    eos = token_id("eos_token")
+    # A SentencePiece model names its own; the config's names win.
+    own = backend.special_ids() if isinstance(backend, SentencePieceBackend) else {}
+    named = {k: token_id(f"{k}_token") for k in ("bos", "eos", "pad")}
+    named = {k: v if v is not None else own.get(k) for k, v in named.items()}
+    eos = named["eos"]
     if eos is None and extra:
       eos = extra[0]
-    return cls(backend, _Specials(bos_id=token_id("bos_token"), eos_id=eos,
-                                  pad_id=token_id("pad_token"),
+    return cls(backend, _Specials(bos_id=named["bos"], eos_id=eos, pad_id=named["pad"],
                                   add_bos=bool(config.get("add_bos_token", False)),
                                   chat_template=chat_template, extra_stop_ids=extra,
                                   template_origin=origin))
