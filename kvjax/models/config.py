@@ -29,7 +29,7 @@ MAX_PARAMETERS = 10**12
 POSITIVE_INTS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                  "head_dim", "intermediate_size", "max_position_embeddings")
 POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta")
-BOOLS = ("tie_embeddings", "attention_bias")
+BOOLS = ("tie_embeddings", "attention_bias", "qk_norm")
 
 
 def is_int(value: Any) -> bool:
@@ -91,6 +91,8 @@ def parameter_count(values: Mapping[str, Any]) -> int:
   per_layer = 2 * d + d * (q + 2 * kv) + q * d + 3 * d * f
   if values.get("attention_bias"):
     per_layer += q + 2 * kv
+  if values.get("qk_norm"):
+    per_layer += 2 * values["head_dim"]
   head = 0 if values.get("tie_embeddings", True) else v * d
   return v * d + head + d + l * per_layer
 
@@ -172,6 +174,7 @@ class LlamaConfig:
   max_position_embeddings: int = 8192  # longest context the model was trained for
   tie_embeddings: bool = True  # lm_head shares the embedding matrix
   attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+  qk_norm: bool = False  # q and k each RMS-normed per head before RoPE (Qwen3)
   name: str = "llama"  # for messages and result rows
 
   def __post_init__(self):

@@ -111,6 +111,10 @@ def canonical_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
   }
   if not config.tie_embeddings:
     shapes["lm_head"] = (d, v)
+  if config.attention_bias:
+    shapes.update({"layers/bq": (l, qd), "layers/bk": (l, kd), "layers/bv": (l, kd)})
+  if config.qk_norm:
+    shapes.update({"layers/q_norm": (l, config.head_dim), "layers/k_norm": (l, config.head_dim)})
   return shapes
 
 

@@ -1,4 +1,4 @@
-"""A Llama-family decoder in Flax NNX (SmolLM2, Llama 3.x, Mistral, Qwen2).
+"""A Llama-family decoder in Flax NNX (SmolLM2, Llama 3.x, Mistral, Qwen2, Qwen3).
 
 Two layouts of the layers (``scan_layers``):
   True   stacked along a leading L axis and run under ``jax.lax.scan``: a
@@ -95,6 +95,9 @@ class DecoderLayer(nnx.Module):
     self.wo = _dense(rngs, n * h, d, dtype)
     if c.attention_bias:
       self.bqkv = nnx.Param(jnp.zeros(((n + 2 * k) * h,), dtype))
+    if c.qk_norm:
+      self.q_norm = RMSNorm(h, c.rms_norm_eps, dtype=dtype)
+      self.k_norm = RMSNorm(h, c.rms_norm_eps, dtype=dtype)
     self.mlp_norm = RMSNorm(d, c.rms_norm_eps, dtype=dtype)
     self.w_gate_up = _dense(rngs, d, 2 * f, dtype)
     self.w_down = _dense(rngs, f, d, dtype)
@@ -110,6 +113,8 @@ class DecoderLayer(nnx.Module):
     q = qkv[..., :q_dim].reshape(b, t, c.num_heads, c.head_dim)
     k = qkv[..., q_dim:q_dim + kv_dim].reshape(b, t, c.num_kv_heads, c.head_dim)
     v = qkv[..., q_dim + kv_dim:].reshape(b, t, c.num_kv_heads, c.head_dim)
+    if c.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
     return rope_lib.apply(q, cos, sin), rope_lib.apply(k, cos, sin), v
 
   def __call__(self, x, cos, sin, state, layer, attend: AttendFn):

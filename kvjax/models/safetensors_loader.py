@@ -38,8 +38,28 @@ _LAYER_TENSORS = {
     "mlp.down_proj.weight": "layers/w_down",
 }
 
-# model_type values whose checkpoints are plain Llama decoders for our purposes.
-_LLAMA_LIKE = ("llama", "mistral")
+# Per-layer tensors of some architectures only: (LlamaConfig flag, suffix -> canonical key).
+_OPTIONAL_LAYER_TENSORS = (
+    ("attention_bias", {"self_attn.q_proj.bias": "layers/bq", "self_attn.k_proj.bias": "layers/bk",
+                        "self_attn.v_proj.bias": "layers/bv"}),
+    ("qk_norm", {"self_attn.q_norm.weight": "layers/q_norm",
+                 "self_attn.k_norm.weight": "layers/k_norm"}),
+)
+
+# model_type values whose checkpoints are Llama decoders for our purposes, and
+# what their config implies beyond config.json's keys: Qwen2's q/k/v carry
+# biases, Qwen3 RMS-norms q and k per head.
+_LLAMA_LIKE = {"llama": {}, "mistral": {}, "qwen2": {"attention_bias": True},
+               "qwen3": {"qk_norm": True}}
+
+
+def _layer_tensors(config: LlamaConfig) -> dict[str, str]:
+  """Per-layer Hugging Face tensor suffix -> canonical key, for this config."""
+  tensors = dict(_LAYER_TENSORS)
+  for flag, extra in _OPTIONAL_LAYER_TENSORS:
+    if getattr(config, flag):
+      tensors.update(extra)
+  return tensors
 
 
 # LlamaConfig field -> the config.json key it is read from.
@@ -116,11 +136,17 @@ def _check_architecture(cfg: dict[str, Any], path: pathlib.Path) -> None:
   if model_type not in _LLAMA_LIKE:
     raise ValueError(f"{path}: model_type {model_type!r} is not supported; "
                      f"kvjax loads {', '.join(_LLAMA_LIKE)} checkpoints")
+  if cfg.get("layer_types") and any(t != "full_attention" for t in cfg["layer_types"]):
+    raise ValueError(f"{path}: layer_types other than full_attention are not supported")
   if model_type == "mistral" and cfg.get("sliding_window"):
     raise ValueError(f"{path}: sliding-window attention ({cfg['sliding_window']}) "
                      "is not supported")
-  if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-    raise ValueError(f"{path}: attention or MLP biases are not supported")
+  if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+    raise ValueError(f"{path}: sliding-window attention (use_sliding_window) is not supported")
+  # Qwen2's q/k/v biases are read; Llama's and Qwen3's attention_bias also puts one on
+  # the output projection, which the model does not have.
+  if cfg.get("mlp_bias") or (model_type != "qwen2" and cfg.get("attention_bias")):
+    raise ValueError(f"{path}: attention or MLP biases are not supported for {model_type}")
 
 
 def config_from_json(path: str | os.PathLike) -> LlamaConfig:
@@ -153,7 +179,8 @@ def config_from_json(path: str | os.PathLike) -> LlamaConfig:
   config_lib.check_size(values, str(path), _KEYS)
   theta, scaling = _rope(cfg, path)
   name = cfg.get("_name_or_path") or path.parent.name
-  return LlamaConfig(**values, rope_theta=theta, rope_scaling=scaling, name=str(name))
+  implied = _LLAMA_LIKE[cfg["model_type"]]
+  return LlamaConfig(**values, **implied, rope_theta=theta, rope_scaling=scaling, name=str(name))
 
 
 def _shard_of_tensor(folder: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -264,10 +291,11 @@ def load_safetensors(directory: str | os.PathLike) -> tuple[LlamaConfig, dict[st
     weights["final_norm"] = reader.get("model.norm.weight", shapes["final_norm"])
     if not config.tie_embeddings:
       weights["lm_head"] = reader.get("lm_head.weight", shapes["lm_head"][::-1]).T.copy()
-    for key in _LAYER_TENSORS.values():
+    layer_tensors = _layer_tensors(config)
+    for key in layer_tensors.values():
       weights[key] = np.empty(shapes[key], np.float32)
     for i in range(config.num_layers):
-      for suffix, key in _LAYER_TENSORS.items():
+      for suffix, key in layer_tensors.items():
         w = reader.get(f"model.layers.{i}.{suffix}", shapes[key][1:][::-1])
         weights[key][i] = w.T
   return config, weights
@@ -285,5 +313,5 @@ def _stored_shapes(config: LlamaConfig, shapes: dict[str, tuple[int, ...]]
   if not config.tie_embeddings:
     yield "lm_head.weight", shapes["lm_head"][::-1]
   for i in range(config.num_layers):
-    for suffix, key in _LAYER_TENSORS.items():
+    for suffix, key in _layer_tensors(config).items():
       yield f"model.layers.{i}.{suffix}", shapes[key][1:][::-1]
