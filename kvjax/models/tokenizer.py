@@ -292,6 +292,26 @@ class Tokenizer:
                                   chat_template=chat_template, extra_stop_ids=extra,
                                   template_origin=origin))
 
+  def save(self, folder: str | os.PathLike) -> None:
+    """Writes what ``from_saved`` rebuilds this tokenizer from (the weight cache's copy)."""
+    folder = pathlib.Path(folder)
+    if isinstance(self._backend, SentencePieceBackend):
+      (folder / "tokenizer.model").write_bytes(self._backend.processor.serialized_model_proto())
+    else:
+      self._backend.save(str(folder / "tokenizer.json"))
+    (folder / "specials.json").write_text(json.dumps(dataclasses.asdict(self._specials)))
+
+  @classmethod
+  def from_saved(cls, folder: str | os.PathLike) -> Tokenizer:
+    """The tokenizer ``save`` wrote to ``folder``."""
+    folder = pathlib.Path(folder)
+    specials = json.loads((folder / "specials.json").read_text())
+    specials["extra_stop_ids"] = tuple(specials["extra_stop_ids"])
+    spm = folder / "tokenizer.model"
+    backend = (SentencePieceBackend(spm) if spm.is_file()
+               else tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json")))
+    return cls(backend, _Specials(**specials))
+
   # --- properties -----------------------------------------------------------
 
   @property

@@ -8,7 +8,8 @@ the MLP's columns, over the ``model`` axis (tensor parallel). Each device
 holds the pages of its own sequences and heads: the KV bytes per device are
 the total over the mesh's size. ``layout`` says where every array lives,
 ``programs`` how generate's programs run per device, ``collectives`` the
-reductions that cross devices, ``distributed`` the set-up of several processes.
+reductions that cross devices. Several processes join one mesh through
+``jax.distributed.initialize`` (docs/sharding.md).
 
 Names load on first use: the models and policies import ``collectives``
 alone.
@@ -25,7 +26,6 @@ _NAMES = {
     "check_mesh": "kvjax.sharding.mesh",
     "empty_cache": "kvjax.sharding.layout",
     "shard_model": "kvjax.sharding.layout",
-    "initialize": "kvjax.sharding.distributed",
 }
 
 __all__ = sorted(_NAMES)
