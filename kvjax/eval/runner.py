@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import pathlib
 import sys
 from typing import Sequence
@@ -288,6 +289,7 @@ def _generate(lm, cfg: EvalConfig, runs, sample: Sample):
            "kv_bytes_per_device": s.kv_bytes_per_device, "mesh": cfg.mesh, "backend": s.backend}
 
 
+@functools.cache  # one Mesh per shape for the whole run
 def _mesh(shape: str):
   """The run's mesh; the eval generates one sample at a time, so its data axis is 1."""
   if not shape:

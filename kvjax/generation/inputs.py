@@ -15,7 +15,6 @@ from kvjax import backend as backend_lib
 from kvjax import policies as policies_lib
 from kvjax.cache.paged import round_up
 from kvjax.models.lm import LanguageModel
-from kvjax.sharding import mesh as mesh_lib
 
 Run = tuple[policies_lib.Policy, int | None]  # (policy, budget: None for "full")
 Prompts = str | Sequence[str] | Sequence[Sequence[int]]
@@ -111,8 +110,6 @@ def check(lm: LanguageModel, runs: Sequence[tuple[str | policies_lib.Policy, int
   for token in options.stop_ids:
     if not _is_int(token) or not 0 <= token < cfg.vocab_size:
       raise ValueError(f"stop_ids must be token ids in [0, {cfg.vocab_size}), got {token!r}")
-  if options.mesh is not None:
-    mesh_lib.check_mesh(options.mesh, cfg)
   return runs
 
 

@@ -40,6 +40,7 @@ SPECS = {
     "replicated": P(),
 }
 _POOL = P((DATA, MODEL))  # [P, ...] page pools, free stacks: a block per device
+_POOL_FIELDS = ("k_pages", "v_pages", "positions", "scores", "free_pages")  # [P, ...] arrays
 
 # Fused columns: (name, parts of the last axis in the checkpoint's order).
 _HEAD_COLUMNS = ("wqkv", "bqkv")
@@ -165,23 +166,20 @@ def empty_cache(mesh: Mesh, *, batch_size: int, capacity, num_layers: int, num_k
     if size % shards:
       raise ValueError(f"{shards} shards must divide the {what}, {size}")
   cap = _capacity_table(capacity, num_layers, num_kv_heads)
-  local = jax.eval_shape(functools.partial(
+  create_local = functools.partial(
       PagedKVCache.create, batch_size=batch_size // d, capacity=local_capacity(cap, m),
       num_layers=num_layers, num_kv_heads=num_kv_heads // m, head_dim=head_dim,
-      page_size=page_size, dtype=dtype))  # checks the arguments, allocates nothing
-  n, pages = d * m, local.num_pages
+      page_size=page_size, dtype=dtype)
+  jax.eval_shape(create_local)  # checks the arguments, allocates nothing
 
   def arrays():
-    return dict(
-        k_pages=jnp.zeros((n * pages,) + local.k_pages.shape[1:], local.k_pages.dtype),
-        v_pages=jnp.zeros((n * pages,) + local.v_pages.shape[1:], local.v_pages.dtype),
-        positions=jnp.full((n * pages, page_size), -1, jnp.int32),
-        scores=jnp.zeros((n * pages, page_size), jnp.float32),
-        page_table=jnp.full((batch_size,) + local.page_table.shape[1:2] + (num_kv_heads,)
-                            + local.page_table.shape[3:], -1, jnp.int32),
-        lengths=jnp.zeros((batch_size, num_layers, num_kv_heads), jnp.int32),
-        free_pages=jnp.tile(jnp.arange(pages - 1, -1, -1, dtype=jnp.int32), n),
-        num_free=jnp.full((n,), pages, jnp.int32))
+    # Every device's block starts as the same empty cache of its sequences and heads.
+    local = create_local()
+    tile = lambda x, reps: jnp.tile(x, reps + (1,) * (x.ndim - len(reps)))
+    return dict({n: tile(getattr(local, n), (d * m,)) for n in _POOL_FIELDS},
+                page_table=tile(local.page_table, (d, 1, m)),
+                lengths=tile(local.lengths, (d, 1, m)),
+                num_free=tile(local.num_free[None], (d * m,)))
 
   specs = _cache_field_specs()
   made = jax.jit(arrays, out_shardings={k: sharding(mesh, s) for k, s in specs.items()})()
@@ -189,9 +187,8 @@ def empty_cache(mesh: Mesh, *, batch_size: int, capacity, num_layers: int, num_k
 
 
 def _cache_field_specs() -> dict[str, P]:
-  heads = SPECS["heads"]
-  return dict(k_pages=_POOL, v_pages=_POOL, positions=_POOL, scores=_POOL, page_table=heads,
-              lengths=heads, free_pages=_POOL, num_free=_POOL)
+  return dict(dict.fromkeys(_POOL_FIELDS + ("num_free",), _POOL),
+              page_table=SPECS["heads"], lengths=SPECS["heads"])
 
 
 def cache_specs(cache: PagedKVCache) -> PagedKVCache:

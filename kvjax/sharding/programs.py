@@ -14,13 +14,11 @@ shard_map's specs and jit's shardings.
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable
+from typing import Callable
 
 import jax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kvjax.cache.paged import PagedKVCache
 from kvjax.sharding import collectives
 from kvjax.sharding import layout
 from kvjax.sharding.mesh import DATA, MODEL
@@ -30,49 +28,34 @@ from kvjax.sharding.mesh import DATA, MODEL
 TO_HOST = "to_host"
 
 
-def _specs(kinds, values) -> Any:
-  """shard_map specs for ``values`` (a tuple, or one value for a single kind)."""
-  if isinstance(kinds, str):
-    return _spec(kinds, values)
-  return tuple(_spec(k, v) for k, v in zip(kinds, values))
-
-
-def _spec(kind: str, value):
+def _spec(kind: str, value, like=None):
+  """shard_map's spec (a prefix of ``value``'s tree) for an array of ``kind``;
+  a result cache (``value`` None) is shaped like the argument cache ``like``."""
   if kind == "params":
     return layout.param_specs(value)
   if kind == "cache":
-    return layout.cache_specs(value)
+    return layout.cache_specs(like if value is None else value)
   return layout.SPECS["batch" if kind == TO_HOST else kind]
 
 
-def _shardings(mesh: Mesh, kinds, specs) -> Any:
-  """jit's shardings for specs; ``TO_HOST`` results replicated."""
-  named = lambda s: jax.tree.map(lambda p: layout.sharding(mesh, p), s,
-                                 is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-  if isinstance(kinds, str):
-    return named(layout.SPECS["replicated"] if kinds == TO_HOST else specs)
-  return tuple(named(layout.SPECS["replicated"]) if k == TO_HOST else named(s)
-               for k, s in zip(kinds, specs))
-
-
-def _map_caches(kinds, values, fn) -> Any:
-  if isinstance(kinds, str):
-    return fn(values) if kinds == "cache" else values
-  return tuple(fn(v) if k == "cache" else v for k, v in zip(kinds, values))
+def _sharding(mesh: Mesh, kind: str, spec):
+  """jit's sharding for ``spec``; ``TO_HOST`` results replicated."""
+  spec = layout.SPECS["replicated"] if kind == TO_HOST else spec
+  return jax.tree.map(lambda p: layout.sharding(mesh, p), spec,
+                      is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 class MeshProgram:
   """A compiled per-device program; calling it lays its arguments out on the mesh first."""
 
-  def __init__(self, compiled: jax.stages.Compiled, in_shardings):
+  def __init__(self, compiled: jax.stages.Compiled, in_shardings: tuple):
     self.compiled = compiled
     self.in_shardings = in_shardings
 
   def __call__(self, *args):
     placed = jax.tree.map(
         lambda target, value: jax.tree.map(lambda x: layout.put(x, target), value),
-        tuple(self.in_shardings), args,
-        is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding))
+        self.in_shardings, args, is_leaf=lambda x: isinstance(x, NamedSharding))
     return self.compiled(*placed)
 
   def __getattr__(self, name):  # out_info, memory_analysis, as_text, ...
@@ -86,32 +69,30 @@ def compile(fn: Callable, args: tuple, statics: dict, mesh: Mesh, kinds: tuple,
   Args:
     args: the arguments (arrays or ``jax.ShapeDtypeStruct``); a cache among
       them is a mesh cache (``layout.empty_cache``).
-    kinds: (argument kinds, result kinds) of ``fn``.
+    kinds: (argument kinds, result kinds) of ``fn``; result kinds a tuple, or
+      one kind for a program that returns one value.
     compile_lowered: ``lowered -> compiled`` (kvjax.generation.compile's).
   """
   in_kinds, out_kinds = kinds
-  in_specs = _specs(in_kinds, args)
-  caches = [a for k, a in zip(in_kinds, args) if k == "cache"]
-  like = caches[0] if caches else None
+  single = isinstance(out_kinds, str)
+  out_kinds = (out_kinds,) if single else out_kinds
+  one = (lambda results: results[0]) if single else (lambda results: results)
+  like = next((a for k, a in zip(in_kinds, args) if k == "cache"), None)
+  in_specs = tuple(_spec(k, a) for k, a in zip(in_kinds, args))
+  out_specs = tuple(_spec(k, None, like) for k in out_kinds)
 
   def per_device(*local_args):
-    local_args = _map_caches(in_kinds, local_args, layout.to_local)
+    local_args = [layout.to_local(a) if k == "cache" else a for k, a in zip(in_kinds, local_args)]
     with collectives.on_axes(DATA, MODEL):
-      out = fn(*local_args, **statics)
-    return _map_caches(out_kinds, out, lambda c: layout.to_global(c, like))
+      results = fn(*local_args, **statics)
+    results = (results,) if single else results
+    return one(tuple(layout.to_global(r, like) if k == "cache" else r
+                     for k, r in zip(out_kinds, results)))
 
-  out_specs = _out_specs(out_kinds, like)
-  mapped = jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+  mapped = jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=one(out_specs),
                          check_vma=False)
-  in_shardings = _shardings(mesh, in_kinds, in_specs)
-  jitted = jax.jit(mapped, in_shardings=in_shardings,
-                   out_shardings=_shardings(mesh, out_kinds, out_specs), donate_argnums=(1,))
+  in_shardings = tuple(_sharding(mesh, k, s) for k, s in zip(in_kinds, in_specs))
+  out_shardings = one(tuple(_sharding(mesh, k, s) for k, s in zip(out_kinds, out_specs)))
+  jitted = jax.jit(mapped, in_shardings=in_shardings, out_shardings=out_shardings,
+                   donate_argnums=(1,))
   return MeshProgram(compile_lowered(jitted.lower(*args)), in_shardings)
-
-
-def _out_specs(out_kinds, like: PagedKVCache | None):
-  """Result specs: a result cache is shaped like the argument cache."""
-  spec = lambda k: layout.cache_specs(like) if k == "cache" else _spec(k, None)
-  if isinstance(out_kinds, str):
-    return spec(out_kinds)
-  return tuple(spec(k) for k in out_kinds)
