@@ -43,15 +43,6 @@ def test_segments_fall_on_punctuation_of_real_text(smollm2_lm):
   assert counts.max() <= 16 and (counts[:-1] >= 12).all()
 
 
-def test_water_fill_caps_segments_at_their_size():
-  imp = jnp.asarray([[4.0, 1.0, 1.0, 0.0]])
-  size = jnp.asarray([[2.0, 10.0, 10.0, 0.0]])
-  alloc = selection.water_fill(imp, size, jnp.asarray([8.0]))
-  # Segment 0 is capped at 2; the other 6 split evenly.
-  chex.assert_trees_all_close(alloc, jnp.asarray([[2.0, 3.0, 3.0, 0.0]]), atol=1e-4)
-  chex.assert_trees_all_close(selection.water_fill(imp, size, jnp.asarray([100.0])), size)
-
-
 def _one_segment_inputs(peaks, seg_len=16, window=4, k=2):
   """One 16-token segment (delimiter at its end) + window; scores: 1 on `peaks`, 0.01 else."""
   t = seg_len + window
@@ -93,6 +84,68 @@ def test_search_picks_large_blocks_under_a_loose_budget():
   assert int(plan.block_size[0, 0, 0]) == 4
   kept = np.nonzero(np.asarray(plan.keep[0, 0]))[0].tolist()
   assert kept == [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19]
+
+
+def _four_segment_inputs(k=2):
+  """Segments A [0, 4), B [4, 12), C [12, 28), D [28, 36) and a 4-token window.
+
+  Scores (kernel 1, gamma 0, so s' = s): A 0.9 each (mean 0.9); B 0.5 (mean 0.5);
+  C 1.0 on [16, 20), 0.02 elsewhere (mean 0.265); D 0.2 on 28 and 29, 0.3 on
+  33, 0.01 elsewhere (mean 0.094); the window 2.0.
+  """
+  tokens = np.full(40, 7)
+  tokens[[3, 11, 27, 35]] = DELIM
+  s = np.full(40, 0.02, np.float32)
+  s[0:4], s[4:12], s[16:20] = 0.9, 0.5, 1.0
+  s[28:36] = 0.01
+  s[[28, 29]], s[33] = 0.2, 0.3
+  s[36:] = 2.0
+  return jnp.asarray(np.broadcast_to(s, (1, k, 40))), _prompt(tokens)
+
+
+def _four_segment_policy():
+  return policies.get("sablock", window=4, kernel=1, delimiter_ids=(DELIM,), gamma=0.0,
+                      min_segment=1, max_block=16)
+
+
+def test_whole_segments_first_then_blocks_of_the_partial_one_then_a_whole_block():
+  scores, prompt = _four_segment_inputs()
+  # Room 18 past the window: A (4) and B (8) whole, by mean; C (16) does not fit and
+  # gets the 6 left. Its search: R(1) = 4.04 (the four 1.0s and two 0.02s); blocks
+  # of 4 keep [16, 20): R = 4.0 >= 0.9 * 4.04, blocks of 8 keep none (6 // 8 = 0),
+  # so b = 4 and 2 entries are left. They go as the best free block of 2, D's
+  # [28, 30) (sum 0.4, against 0.31 for [32, 34)), not as the best two single
+  # tokens (33 and 28).
+  plan = _plan(_four_segment_policy(), scores, prompt, 4 + 18)
+  seg_starts = [0, 4, 12, 28]
+  segment_of = np.asarray(plan.segments[0])[seg_starts]
+  np.testing.assert_array_equal(np.asarray(plan.allocation[0, 0])[segment_of], [4, 8, 6, 0])
+  np.testing.assert_array_equal(np.asarray(plan.block_size[0, 0])[segment_of], [4, 8, 4, 0])
+  kept = np.nonzero(np.asarray(plan.keep[0, 0]))[0].tolist()
+  assert kept == list(range(12)) + [16, 17, 18, 19, 28, 29, 36, 37, 38, 39]
+  np.testing.assert_array_equal(plan.single, [[0, 0]])
+  np.testing.assert_array_equal(np.asarray(plan.keep).sum(-1), [[22, 22]])
+
+
+def test_a_remainder_no_block_fits_is_one_token():
+  scores, prompt = _four_segment_inputs()
+  # Room 17: C gets 5, keeps one block of 4 (b = 4), and the 1 left is the best
+  # free token, 33.
+  plan = _plan(_four_segment_policy(), scores, prompt, 4 + 17)
+  kept = np.nonzero(np.asarray(plan.keep[0, 0]))[0].tolist()
+  assert kept == list(range(12)) + [16, 17, 18, 19, 33, 36, 37, 38, 39]
+  np.testing.assert_array_equal(plan.single, [[1, 1]])
+
+
+def test_a_segment_too_long_for_the_budget_is_searched_not_skipped():
+  scores, prompt = _four_segment_inputs()
+  # Room 3: A, the best by mean, does not fit whole, so it is the partial
+  # segment; blocks of 2 would keep 1.8 < 0.9 * 2.7, so single tokens.
+  plan = _plan(_four_segment_policy(), scores, prompt, 4 + 3)
+  kept = np.nonzero(np.asarray(plan.keep[0, 0]))[0].tolist()
+  assert kept == [0, 1, 2, 36, 37, 38, 39]
+  assert int(plan.block_size[0, 0, int(plan.segments[0, 0])]) == 1
+  np.testing.assert_array_equal(plan.single, [[3, 3]])
 
 
 def _random_inputs(seed, t=96, kh=2, g=3, h=8):

@@ -10,15 +10,18 @@ always kept and its queries score the rest. Per layer:
      (kernels/segmentation.py);
   2. token score s_t: SnapKV-style window attention per KV head; segment-guided
      score s'_t = s_t + gamma * mean of s over t's segment;
-  3. budget to segments: proportional to the segment's sum of s', water-filled
-     so no segment gets more than its length;
-  4. per segment, for block sizes b = 1, 2, 4, ... max_block (capped at the
-     segment's length), cut the segment into blocks of b and keep its top
-     floor(k_seg / b) blocks by mean s'; R(b) = the s' they retain. The largest
-     b with R(b) >= (1 - epsilon) R(1) wins: coarse blocks where they cost
-     little, single tokens where the budget is tight;
-  5. exactly ``budget`` entries per KV head: the window, the chosen blocks,
-     then the best remaining tokens by s'.
+  3. budget to segments: segments ranked by their mean s'; whole segments
+     kept in that order while they fit the budget left by the window; the
+     first one that does not fit is the partial segment and gets what is left;
+  4. the partial segment's block size: for b = 1, 2, 4, ... max_block (capped
+     at its length), cut it into blocks of b and keep its top floor(k / b)
+     blocks by mean s'; R(b) = the s' they retain. The largest b with
+     R(b) >= (1 - epsilon) R(1) wins: coarse blocks where they cost little,
+     single tokens where the budget is tight;
+  5. exactly ``budget`` entries per KV head: what rounding to blocks of b left
+     (less than b) goes as the best whole blocks of the remaining prefix,
+     largest first (b/2, b/4, ...): one entry at most is a lone token while
+     such blocks are free.
 
 Parameters:
   window         16                  observation window, always kept (measured: docs/methods.md)
@@ -34,8 +37,8 @@ Parameters:
 The paper states the three stages (semantic segments, segment-guided scores,
 a budget-driven block-size search); everything else above is ours, each
 choice with its reason in docs/methods.md: the punctuation rule from token
-text, the segment caps, the form of s', water-filling, the search over powers
-of two and the exact-budget top-up. Everything is vectorised over (sequence,
+text, the segment caps, the form of s', whole segments by mean score, the
+search over powers of two and the top-up with whole blocks. Everything is vectorised over (sequence,
 KV head, segment) with static shapes; the budget may be a traced scalar, so
 one program serves every layer.
 """
@@ -61,9 +64,10 @@ class Plan(NamedTuple):
 
   segments: jax.Array  # [B, T] int32 segment id (window and padding: ids past the last)
   scores: jax.Array  # [B, K, T] float32 segment-guided score s' (0 outside the prefix)
-  allocation: jax.Array  # [B, K, T_seg] int32 entries given to each segment
-  block_size: jax.Array  # [B, K, T_seg] int32 block size chosen per segment
+  allocation: jax.Array  # [B, K, T_seg] int32 entries per segment: whole ones their size, the partial one what was left
+  block_size: jax.Array  # [B, K, T_seg] int32 whole segments: their size; the partial one: its search's choice; else 0
   keep: jax.Array  # [B, K, T] bool, exactly the budget per head (when the prompt has it)
+  single: jax.Array  # [B, K] int32 entries kept one token at a time (the rest went as segments and blocks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,34 +115,68 @@ class SABlock(DelimiterFields, WindowFields, Policy):
 
   def plan(self, scores, prompt, budget, max_budget: int) -> Plan:
     """The whole decision from token scores [B, K, T] (``score``'s output)."""
-    b, kh, t = scores.shape
+    t = scores.shape[-1]
     prefix, window = selection.regions(prompt.lengths, t, self.window)
     seg = self.segments(prompt.tokens, prompt.lengths)
     s = jnp.where(prefix[:, None] & jnp.isfinite(scores), scores, 0.0)
     seg_mean = selection.segment_mean(s, seg, prefix)
     guided = jnp.where(prefix[:, None], s + self.gamma * jnp.where(
         jnp.isfinite(seg_mean), seg_mean, 0.0), 0.0)  # s' [B, K, T]
+    size = selection.per_segment_sum(prefix.astype(jnp.float32), seg).astype(jnp.int32)  # [B, T_seg]
+    room = (budget - window.sum(-1))[:, None]  # [B, 1]
 
-    size = selection.per_segment_sum(prefix.astype(jnp.float32), seg)  # [B, T_seg]
-    importance = selection.per_segment_sum(guided, seg)  # [B, K, T_seg]
-    room = budget - window.sum(-1)  # [B]
-    alloc = jnp.floor(selection.water_fill(importance, jnp.broadcast_to(
-        size[:, None], importance.shape), jnp.broadcast_to(room[:, None], (b, kh))) + 1e-4)
-    alloc = alloc.astype(jnp.int32)
+    # Whole segments by mean s' while they fit; the first that does not is the partial one.
+    mean = jnp.where(size[:, None] > 0, selection.per_segment_sum(guided, seg) /
+                     jnp.maximum(size, 1)[:, None], -jnp.inf)  # [B, K, T_seg]
+    whole = selection.keep_whole(mean, size, room[..., None])
+    used = jnp.where(whole, size[:, None], 0).sum(-1)  # [B, K]
+    rest = jnp.where(whole, -jnp.inf, mean)
+    partial = (jnp.arange(t) == jnp.argmax(rest, -1)[..., None]) & (rest > -jnp.inf)
+    alloc = jnp.where(partial, (room - used)[..., None], 0)  # [B, K, T_seg]
 
-    keeps, retained = self._search(guided, seg, prefix, size.astype(jnp.int32), alloc)
+    keeps, retained = self._search(guided, seg, prefix, size, alloc)
     sizes = jnp.asarray(self.block_sizes(), jnp.int32)
     # The largest block size that keeps (1 - epsilon) of what single tokens keep.
     good = retained >= (1.0 - self.epsilon) * retained[:1] - 1e-6  # [n_sizes, B, K, T_seg]
     choice = jnp.max(jnp.where(good, jnp.arange(len(sizes))[:, None, None, None], 0), axis=0)
     chosen_tok = selection.gather_segments(choice, seg)  # [B, K, T]
-    kept = jnp.any(keeps & (chosen_tok[None] == jnp.arange(len(sizes))[:, None, None, None]),
-                   axis=0)
-    chosen = (kept & prefix[:, None]) | window[:, None]
-    keep = selection.fill_to_budget(chosen, jnp.where(window[:, None], jnp.inf, guided), prefix,
-                                 budget, max_budget)
-    block_size = jnp.minimum(sizes[choice], jnp.maximum(size[:, None], 1).astype(jnp.int32))
-    return Plan(seg, guided, alloc, block_size, keep)
+    blocks = jnp.any(keeps & (chosen_tok[None] == jnp.arange(len(sizes))[:, None, None, None]),
+                     axis=0)
+    chosen = (selection.gather_segments(whole, seg) | blocks) & prefix[:, None]
+    # What rounding to whole blocks left: blocks of the remaining prefix, largest first.
+    keep, single = self._top_up(chosen, guided, seg, prefix, room - chosen.sum(-1), max_budget)
+    single += jnp.where(partial & (choice == 0), alloc, 0).sum(-1)
+    block_size = jnp.where(whole, size[:, None], jnp.where(partial, sizes[choice], 0))
+    return Plan(seg, guided, jnp.where(whole, size[:, None], alloc), block_size,
+                keep | window[:, None], single)
+
+  def _top_up(self, chosen, guided, seg, prefix, need, max_budget: int):
+    """Spends ``need`` [B, K] more entries on whole blocks of the unkept prefix, largest first.
+
+    For b = max_block, ..., 2, 1: the best ``need // b`` blocks of b tokens (the
+    search's grid: b tokens from a segment's start, every one in the prefix
+    and none kept yet) by their sum of s'. A remainder below the partial
+    segment's block size thus goes as a few blocks, one token at most.
+
+    Returns:
+      (keep [B, K, T] bool, entries taken one token at a time [B, K] int32).
+    """
+    idx = jnp.arange(guided.shape[-1], dtype=jnp.int32)
+    start = selection.segment_starts(seg)  # [B, T]
+    single = jnp.zeros(need.shape, jnp.int32)
+    for bs in reversed(self.block_sizes()):
+      block = start + ((idx[None] - start) // bs) * bs  # [B, T] each token's block: its first token
+      ids = jnp.broadcast_to(block[:, None], guided.shape)
+      free = selection.per_segment_sum((prefix[:, None] & ~chosen).astype(jnp.float32), block)
+      total = selection.per_segment_sum(guided, block)
+      whole_free = ((idx[None] == block) & prefix)[:, None] & (free == bs)  # [B, K, T] at block starts
+      take = selection.keep_top(jnp.where(whole_free, total, -jnp.inf), need[..., None] // bs,
+                                max(1, max_budget // bs))
+      chosen |= jnp.take_along_axis(take, ids, -1) & prefix[:, None]
+      need -= take.sum(-1, dtype=jnp.int32) * bs
+      if bs == 1:
+        single = take.sum(-1, dtype=jnp.int32)
+    return chosen, single
 
   def _search(self, guided, seg, prefix, size, alloc):
     """Keep masks [n_sizes, B, K, T] and retained s' [n_sizes, B, K, T_seg] per block size."""

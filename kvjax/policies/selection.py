@@ -3,9 +3,9 @@
 A keep mask [B, K, T] becomes slots [B, K, T]: kept tokens fill slots 0, 1, ...
 in their original order, dropped tokens get -1. Besides top-k, the stages of
 the segment- and block-based policies: segments (ids, starts, sums, means),
-whole units in score order while they fit, water-filling a budget over
-segments, and topping a keep mask up to exactly the budget. Dimension
-letters: B batch, K KV heads, T tokens, U units (segments, blocks).
+whole units in score order while they fit, and topping a keep mask up to
+exactly the budget. Dimension letters: B batch, K KV heads, T tokens, U units
+(segments, blocks).
 """
 
 from __future__ import annotations
@@ -158,43 +158,6 @@ def fill_to_budget(chosen: jax.Array, scores: jax.Array, valid: jax.Array, budge
   rest = jnp.where(jnp.isnan(rest), jnp.finfo(jnp.float32).min, rest)
   need = budget - chosen.sum(-1, keepdims=True)
   return chosen | keep_top(rest, need, max_budget)
-
-
-def water_fill(importance: jax.Array, size: jax.Array, room: jax.Array) -> jax.Array:
-  """Splits ``room`` entries over segments in proportion to importance, capped at their sizes.
-
-  Finds the level lam with sum_s min(size_s, lam * importance_s) = room
-  (exactly, by sorting segments by size / importance), so no segment gets
-  more than it holds and the rest of the room goes to the others.
-
-  Args:
-    importance: [..., S] float32 >= 0 (0 for absent segments).
-    size: [..., S] segment lengths (0 for absent segments).
-    room: [...] entries to hand out.
-
-  Returns:
-    [..., S] float32 allocations (sum = min(room, total size)).
-  """
-  imp = jnp.maximum(jnp.nan_to_num(importance.astype(jnp.float32)), 0.0)
-  size = size.astype(jnp.float32)
-  room = jnp.minimum(room.astype(jnp.float32), size.sum(-1))
-  # A segment with no importance but some size can only be filled last: give
-  # every present segment a tiny importance so the level stays finite.
-  imp = jnp.where(size > 0, imp + 1e-12, 0.0)
-  ratio = jnp.where(size > 0, size / jnp.where(imp > 0, imp, 1.0), jnp.inf)
-  order = jnp.argsort(ratio, axis=-1)
-  r = jnp.take_along_axis(ratio, order, -1)
-  s_sorted = jnp.take_along_axis(size, order, -1)
-  i_sorted = jnp.take_along_axis(imp, order, -1)
-  capped = jnp.cumsum(s_sorted, -1) - s_sorted  # sizes of the segments before j (capped)
-  rest_imp = jnp.flip(jnp.cumsum(jnp.flip(i_sorted, -1), -1), -1)  # importance from j on
-  lam = (room[..., None] - capped) / jnp.maximum(rest_imp, 1e-30)
-  # The level is the first j whose segment is not capped at that level.
-  fits = (lam <= r) & (rest_imp > 0)
-  first = jnp.argmax(fits, -1)
-  level = jnp.take_along_axis(lam, first[..., None], -1)
-  level = jnp.where(jnp.any(fits, -1, keepdims=True), level, jnp.inf)
-  return jnp.minimum(size, level * imp)
 
 
 # ------------------------------------------------------------------ decode
