@@ -2,7 +2,7 @@
 
 A ~1K-token passkey prompt, budget 128, window 16: every (layer, KV head)
 holds exactly the budget, the page accounting is sound, and PagedEviction
-evicts whole pages while decoding with a pool sized to the budget.
+evicts whole pages while decoding, holding between its budget and a page more.
 """
 
 import numpy as np
@@ -47,31 +47,41 @@ def test_cache_holds_exactly_the_budget(smollm2_lm, passkey, name):
     assert (kept == kept[:, :1]).all()
 
 
-def test_paged_eviction_decodes_with_a_pool_of_the_budget(smollm2_lm, passkey):
+@pytest.mark.parametrize("query_aware", [False, True], ids=["query-agnostic", "query-aware"])
+def test_paged_eviction_decodes_within_a_page_of_the_budget(smollm2_lm, passkey, query_aware):
   policy = kvjax.policies.get("paged_eviction", window=WINDOW)
+  question = " What is the pass key? The pass key is"
+  q = len(smollm2_lm.tokenizer.encode(question))
   new = 128
-  r = kvjax.generate(smollm2_lm, [passkey], policy=policy, budget=BUDGET, max_new_tokens=new,
-                     stop_ids=[])
+  r = kvjax.generate(smollm2_lm, [passkey], questions=[question], query_aware=query_aware,
+                     policy=policy, budget=BUDGET, max_new_tokens=new, stop_ids=[],
+                     pad_multiple=16)
   testing.assert_cache_consistent(r.cache)
   cfg = smollm2_lm.config
   assert r.stats.decode_steps == new - 1
-  # The pool holds the budget and no more: no head can ever exceed it.
-  assert r.stats.kv_bytes == cfg.num_layers * BUDGET * _per_slot_bytes(cfg)
-  assert r.cache.capacity == ((BUDGET,) * cfg.num_kv_heads,) * cfg.num_layers
-  n = r.stats.prompt_tokens[0]
-  appended = new - 1  # the last sampled token is never appended
+  # A head appends past its limit until its tail page is full, then gives a page
+  # back: the pool holds the limit (with the question padded to 16) rounded up
+  # past one more entry.
+  limit = BUDGET + (0 if query_aware else q)
+  capacity = -(-(BUDGET + (0 if query_aware else 16) + 1) // 16) * 16
+  assert r.cache.capacity == ((capacity,) * cfg.num_kv_heads,) * cfg.num_layers
+  assert r.stats.kv_bytes == cfg.num_layers * capacity * _per_slot_bytes(cfg)
+  length = limit
+  for _ in range(new - 1):  # the last sampled token is never appended
+    length -= 16 if length > limit and length % 16 == 0 else 0
+    length += 1
   lengths = np.asarray(r.cache.lengths)
-  assert (lengths <= BUDGET).all()
-  # Whole pages went: 128 + 127 entries, 8 evictions of 16 entries.
-  np.testing.assert_array_equal(lengths, BUDGET + appended - 8 * 16)
+  np.testing.assert_array_equal(lengths, length)
+  n = r.stats.prompt_tokens[0]
   kept = np.asarray(r.cache.kept_positions())[0]
-  last = n + appended - 1
+  last = n + new - 2
   for l in range(cfg.num_layers):
     for h in range(cfg.num_kv_heads):
       row = kept[l, h][:lengths[0, l, h]]
       assert (np.diff(row) > 0).all()  # slot order is position order: pages were cut out whole
       assert row[:16].tolist() == list(range(16))  # the first page never goes
+      assert set(range(n - q, n)) <= set(row.tolist())  # nor a page holding the question
       assert row[-1] == last  # the newest token is there: nothing dropped at the append
       # Generated tokens left in runs of whole pages (no single-token holes).
       missing = sorted(set(range(n, last + 1)) - set(row.tolist()))
-      assert len(missing) % 16 == 0
+      assert len(missing) % 16 == 0 and missing

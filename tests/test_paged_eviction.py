@@ -134,9 +134,16 @@ def _full_cache(page_scores, lengths=None):
                      jnp.arange(t, dtype=jnp.int32)[None])
 
 
-def _step(policy, cache, limit):
+def _step(policy, cache, limit, question=None):
   limit = jnp.full(cache.lengths.shape, limit, jnp.int32)
-  return policy.before_decode_step(cache, limit, jnp.asarray([cache.max_slots], jnp.int32))
+  return policy.before_decode_step(cache, limit, jnp.asarray([cache.max_slots], jnp.int32),
+                                   None if question is None else jnp.asarray([question], jnp.int32))
+
+
+def _evicted_page(out, head=0):
+  """The page index (positions // PS) whose positions left head ``head``."""
+  kept = set(np.asarray(out.kept_positions())[0, 0, head].tolist())
+  return sorted({p // PS for p in range(out.max_slots) if p not in kept})[0]
 
 
 class TestDecode:
@@ -144,7 +151,7 @@ class TestDecode:
   def test_evicts_the_lowest_page_never_the_first_or_the_tail(self):
     # Pages 0 and 4 (first, tail) score lowest, but may not go: page 2 is next.
     cache = _full_cache([0.1, 5.0, 1.0, 3.0, 0.2])
-    out = _step(policies.get("paged_eviction", page_size=PS), cache, 5 * PS)
+    out = _step(policies.get("paged_eviction", page_size=PS), cache, 4 * PS)
     testing.assert_cache_consistent(out)
     kept = np.asarray(out.kept_positions())[0, 0]
     want = list(range(0, 8)) + list(range(12, 20))
@@ -153,43 +160,72 @@ class TestDecode:
     np.testing.assert_array_equal(out.lengths, 4 * PS)
     assert int(out.num_free) == int(cache.num_free) + K
 
-  def test_nothing_happens_below_the_limit(self):
-    cache = _full_cache([1.0, 2.0, 3.0, 4.0], lengths=4 * PS - 1)
-    out = _step(policies.get("paged_eviction", page_size=PS), cache, 4 * PS)
+  @pytest.mark.parametrize("length,limit", [(4 * PS - 1, 3 * PS),  # past it, tail page not full
+                                            (4 * PS, 4 * PS),  # full, but not past the limit
+                                            (3 * PS, 4 * PS)])  # below the limit
+  def test_a_head_evicts_only_past_its_limit_with_its_tail_page_full(self, length, limit):
+    cache = _full_cache([1.0, 2.0, 3.0, 4.0], lengths=length)
+    out = _step(policies.get("paged_eviction", page_size=PS), cache, limit)
     np.testing.assert_array_equal(out.page_table, cache.page_table)
     np.testing.assert_array_equal(out.lengths, cache.lengths)
 
   def test_candidates_limit_the_choice_to_the_oldest_pages(self):
     cache = _full_cache([1.0, 5.0, 4.0, 0.5, 1.0])
-    out = _step(policies.get("paged_eviction", page_size=PS, candidates=2), cache, 5 * PS)
-    kept = np.asarray(out.kept_positions())[0, 0, 0]
-    assert kept[:4 * PS].tolist() == list(range(0, 8)) + list(range(12, 20))  # page 2, not 3
+    out = _step(policies.get("paged_eviction", page_size=PS, candidates=2), cache, 4 * PS)
+    assert _evicted_page(out) == 2  # not 3: only pages 1 and 2 compete
+
+  def test_pages_holding_the_question_are_never_evicted(self):
+    # Page j holds positions 4j .. 4j + 3. Pages 5 and 6 score lowest, but they
+    # hold the question (positions 20-27): page 1 goes instead.
+    cache = _full_cache([9.0, 2.0, 3.0, 4.0, 5.0, 0.1, 0.2, 6.0])
+    policy = policies.get("paged_eviction", page_size=PS)
+    assert _evicted_page(_step(policy, cache, 7 * PS)) == 5
+    out = _step(policy, cache, 7 * PS, question=[20, 28])
+    testing.assert_cache_consistent(out)
+    assert _evicted_page(out) == 1
+    assert set(range(20, 28)) <= set(np.asarray(out.kept_positions())[0, 0, 0].tolist())
+    # The oldest-pages candidates count the pages that may go, the question's skipped.
+    oldest = policies.get("paged_eviction", page_size=PS, candidates=1)
+    cache = _full_cache([9.0, 2.0, 0.1, 4.0, 0.5, 6.0])
+    assert _evicted_page(_step(oldest, cache, 5 * PS, question=[4, 8])) == 2
 
   def test_one_decision_per_layer_unless_per_head(self):
     # Alone, head 0 would drop page 2 (1.5 < 2) and head 1 page 1 (1 < 3); summed
     # over the layer's heads page 1 (3) is lower than page 2 (4.5).
     scores = np.array([[1, 1], [2, 1], [1.5, 3], [9, 9], [1, 1]], np.float32)
     cache = _full_cache(scores)
-    page_of = lambda out: [sorted(set(range(20)) - set(np.asarray(out.kept_positions())[
-        0, 0, h][:16].tolist()))[0] // PS for h in range(K)]
-    shared = _step(policies.get("paged_eviction", page_size=PS), cache, 5 * PS)
-    own = _step(policies.get("paged_eviction", page_size=PS, per_head=True), cache, 5 * PS)
-    assert page_of(shared) == [1, 1]
-    assert page_of(own) == [2, 1]
+    shared = _step(policies.get("paged_eviction", page_size=PS), cache, 4 * PS)
+    own = _step(policies.get("paged_eviction", page_size=PS, per_head=True), cache, 4 * PS)
+    assert [_evicted_page(shared, h) for h in range(K)] == [1, 1]
+    assert [_evicted_page(own, h) for h in range(K)] == [2, 1]
 
-  def test_a_partial_tail_page_is_never_evicted_and_no_recompile(self):
+  def test_between_the_budget_and_a_page_more_after_every_step(self):
+    # The decode loop's bookkeeping by hand: evict, then open the token's slot.
+    # A budget of 3 pages and a 5-token question (positions 12-16): the head
+    # holds 17 entries, appends up to 20 (past 17, tail page full), drops a
+    # page to 16 at the next step and appends to 17 again. The pool holds
+    # round_up(17 + 1) = 20 slots, which the head fills and never overflows.
     policy = policies.get("paged_eviction", page_size=PS)
-    cache = _full_cache([3.0, 1.0, 2.0, 0.1, 0.1], lengths=4 * PS + 1)  # tail page holds 1
-    step = jax.jit(lambda c: _step(policy, c, 4 * PS + 1))
-    with testing.count_compilations() as n:
-      out = step(cache)
-      out2 = step(_full_cache([3.0, 2.0, 1.0, 0.1, 0.1], lengths=4 * PS + 1))
-    assert n[0] == 1
-    # Page 3 (0.1) is not the tail: the tail is page 4 with one entry.
-    assert np.asarray(out.kept_positions())[0, 0, 0][:3 * PS + 1].tolist() == (
-        list(range(12)) + [16])
-    assert np.asarray(out2.kept_positions())[0, 0, 0][:3 * PS + 1].tolist() == (
-        list(range(12)) + [16])
+    budget, question = 3 * PS, 5
+    capacity = policy.capacity(budget=budget, prompt_len=40, extra_tokens=question,
+                               max_new_tokens=64, page_size=PS, num_layers=1)
+    assert capacity == (20,)
+    cache = _full_cache(np.linspace(1.0, 2.0, 5), lengths=budget + question)
+    limit = jnp.full(cache.lengths.shape, budget + question, jnp.int32)
+    span = jnp.asarray([[12, 17]], jnp.int32)
+    step = jax.jit(lambda c, pos: policy.before_decode_step(c, limit, pos, span)
+                   .open_token_slots(pos)[0])
+    lengths = []
+    for i in range(24):
+      cache = step(cache, jnp.asarray([17 + i], jnp.int32))
+      testing.assert_cache_consistent(cache)
+      lengths.append(int(cache.lengths[0, 0, 0]))
+      kept = np.asarray(cache.kept_positions())[0, 0, 0].tolist()
+      assert set(range(12, 17)) <= set(kept)  # the question stays
+      assert 17 + i in kept  # the token just appended
+    assert step._cache_size() == 1  # one program for every step
+    assert lengths[:8] == [18, 19, 20, 17, 18, 19, 20, 17]
+    assert min(lengths) >= budget + question and max(lengths) <= budget + question + PS
 
   def test_page_size_must_match_the_cache(self):
     cache = _full_cache([1.0, 2.0, 3.0])

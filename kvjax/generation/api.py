@@ -218,7 +218,7 @@ def _run(lm: LanguageModel, batch: inputs.Batch, options: inputs.Options,
          plan: plan_lib.RunPlan, clock: Clock) -> GenerationResult:
   """Compiles, prefills and decodes one run."""
   sampler = sampling.from_options(options.temperature, options.top_k)
-  decode_options = dict(policy=plan.policy, limit=plan.limit,
+  decode_options = dict(policy=plan.policy, limit=plan.limit, question=batch.question_span,
                         max_new_tokens=options.max_new_tokens, backend=options.backend,
                         stop_ids=options.stop_ids, sampler=sampler, seed=options.seed,
                         mesh=options.mesh)
@@ -251,7 +251,7 @@ def _run(lm: LanguageModel, batch: inputs.Batch, options: inputs.Options,
 def decode(lm: LanguageModel, cache: PagedKVCache, logits, next_positions, *,
            policy: policies_lib.Policy, limit, max_new_tokens: int, backend: str = "xla",
            stop_ids: Sequence[int] = (), temperature: float = 0.0, top_k: int = 0,
-           seed: int = 0):
+           seed: int = 0, question=None):
   """Runs the compiled decode loop on a filled cache (what ``generate`` does after prefill).
 
   Benchmarks call it on caches they fill themselves (e.g. synthetic keys and
@@ -264,6 +264,7 @@ def decode(lm: LanguageModel, cache: PagedKVCache, logits, next_positions, *,
     policy: a bound policy (decode-time eviction, accumulated attention).
     limit: [B, L, K] entries a head may hold (decode-evicting policies).
     backend: "auto", "xla", "pallas" or "native" (``kvjax.backend``).
+    question: [B, 2] positions [start, end) page eviction never takes (None: none).
 
   Returns:
     (tokens [B, max_new_tokens] int32 np.ndarray, steps run, final cache,
@@ -272,6 +273,7 @@ def decode(lm: LanguageModel, cache: PagedKVCache, logits, next_positions, *,
   clock = Clock()
   tokens, steps, cache = clock.run("decode", programs.decode, *plan_lib.decode_call(
       lm, cache, logits, next_positions, policy=policy, limit=limit,
+      question=np.zeros((len(next_positions), 2), np.int32) if question is None else question,
       max_new_tokens=max_new_tokens, backend=backend, stop_ids=stop_ids,
       sampler=sampling.from_options(temperature, top_k), seed=seed))
   return np.asarray(tokens), int(steps), cache, clock.seconds["decode"], clock.compile_s

@@ -49,6 +49,9 @@ class Batch:
   lengths: np.ndarray  # [B] int32 prompt tokens per sequence
   question_tokens: np.ndarray | None  # [B, Q] int32, or None without questions to append
   question_lengths: np.ndarray  # [B] int32 (zeros without questions to append)
+  # [B, 2] int32 positions [start, end) of each question, appended or inside the
+  # prompt (query-aware); [0, 0) without one. Page eviction never takes them.
+  question_span: np.ndarray
 
   @property
   def size(self) -> int:
@@ -136,8 +139,11 @@ def batch(lm: LanguageModel, prompts: Prompts, questions: Prompts | None, *, que
     prompts, questions = _chat_turns(lm, prompts, questions)
   ids = _tokenize(lm, prompts, "prompt")
   question_ids = None
+  span = np.zeros((len(ids), 2), np.int32)
   if questions is not None:
     question_ids = _tokenize(lm, questions, "question")
+    span[:, 0] = [len(p) for p in ids]
+    span[:, 1] = span[:, 0] + [len(q) for q in question_ids]
     if query_aware:
       ids, question_ids = [p + q for p, q in zip(ids, question_ids)], None
   q_lengths = np.array([len(x) for x in question_ids or [[]] * len(ids)], np.int32)
@@ -149,7 +155,7 @@ def batch(lm: LanguageModel, prompts: Prompts, questions: Prompts | None, *, que
                      f"exceeds the model's context of {context}")
   q_tokens = _pad(question_ids, options.pad_multiple) if question_ids else None
   return Batch(_pad(ids, options.prefill_chunk or options.pad_multiple), lengths, q_tokens,
-               q_lengths)
+               q_lengths, span)
 
 
 def _is_int(value) -> bool:

@@ -166,12 +166,13 @@ def append_questions(lm: LanguageModel, batch: Batch, options: Options, clock: C
 
 
 def decode_call(lm: LanguageModel, cache, logits, next_positions, *,
-                policy: policies_lib.Policy, limit, max_new_tokens: int, backend: str,
-                stop_ids, sampler: sampling.Sampler, seed: int, mesh=None) -> tuple[tuple, dict]:
+                policy: policies_lib.Policy, limit, question, max_new_tokens: int,
+                backend: str, stop_ids, sampler: sampling.Sampler, seed: int,
+                mesh=None) -> tuple[tuple, dict]:
   """(arguments, statics) of ``programs.decode``; cache and logits may be abstract."""
   pad_id = lm.tokenizer.pad_id if lm.tokenizer is not None else 0
   args = (lm.params, cache, logits, to_device(next_positions, np.int32),
-          to_device(limit, np.int32), to_device(seed, np.uint32),
+          to_device(limit, np.int32), to_device(question, np.int32), to_device(seed, np.uint32),
           to_device(list(stop_ids) or [-1], np.int32), sampler, to_device(pad_id, np.int32))
   statics = dict(graphdef=lm.graphdef, policy=policy, max_new_tokens=max_new_tokens,
                  backend=backend)

@@ -35,8 +35,8 @@ MESH_KINDS = {
     "prefill_chunk": (("params", "cache", "batch", "batch", "batch", "batch"),
                       ("cache", "batch")),
     "extend": (("params", "cache", "batch", "batch", "batch"), ("cache", "batch")),
-    "decode": (("params", "cache", "batch", "batch", "heads", "replicated", "replicated",
-                "replicated", "replicated"), ("to_host", "replicated", "cache")),
+    "decode": (("params", "cache", "batch", "batch", "heads", "batch", "replicated",
+                "replicated", "replicated", "replicated"), ("to_host", "replicated", "cache")),
 }
 
 
@@ -151,14 +151,16 @@ def extend(params, cache, tokens, lengths, offsets, *, graphdef, backend):
     return _forward(graphdef, params, tokens, positions, cache, attend, lengths - 1)
 
 
-def decode(params, cache, first_logits, next_positions, limit, seed, stops, sampler, pad_id, *,
-           graphdef, policy, max_new_tokens, backend):
+def decode(params, cache, first_logits, next_positions, limit, question, seed, stops, sampler,
+           pad_id, *, graphdef, policy, max_new_tokens, backend):
   """Greedy or sampled decoding in one while_loop.
 
   Args:
     first_logits: [B, V] the next-token logits after the prompt.
     next_positions: [B] int32 position of the first generated token.
     limit: [B, L, K] int32 entries a head may hold (decode-evicting policies).
+    question: [B, 2] int32 positions [start, end) of each question, which page
+      eviction never takes ([0, 0) for none).
     seed: [] uint32; stops: [S] int32 stop ids; pad_id: [] int32.
     sampler: a ``kvjax.generation.sampling`` sampler.
 
@@ -173,7 +175,7 @@ def decode(params, cache, first_logits, next_positions, limit, seed, stops, samp
 
     def step(state: DecodeState) -> DecodeState:
       positions = (next_positions + state.step - 1)[:, None]  # [B, 1]
-      cache = policy.before_decode_step(state.cache, limit, positions[:, 0])
+      cache = policy.before_decode_step(state.cache, limit, positions[:, 0], question)
       # Every layer's page, position and length at once; each layer stores k and v.
       cache, slots = cache.open_token_slots(positions[:, 0])
 

@@ -147,15 +147,18 @@ class Policy:
     """The slot each head gives up when full, [B, L, K] (decode-evicting policies)."""
     raise NotImplementedError
 
-  def before_decode_step(self, cache: PagedKVCache, limit: jax.Array,
-                         positions: jax.Array) -> PagedKVCache:
+  def before_decode_step(self, cache: PagedKVCache, limit: jax.Array, positions: jax.Array,
+                         question: jax.Array | None = None) -> PagedKVCache:
     """Runs before each decode step's append.
 
     Args:
       limit: [B, L, K] entries a head may hold (decode-evicting policies evict
         one token from each head at the limit, so the append keeps it there).
       positions: [B] position of the token about to be appended.
+      question: [B, 2] positions [start, end) of the question, or None
+        (page eviction never takes a page holding one of them).
     """
+    del question
     if not self.evicts_during_decode:
       return cache
     full = cache.lengths >= limit

@@ -7,11 +7,13 @@ is computed anywhere and the paged decode attention runs untouched:
   prefill  keep the first page and the last (partial) page of the prompt, then
            the tokens with the highest ||v|| / ||k|| up to the budget, laid into
            pages in their original order;
-  decode   when a head is full (its tail page has filled up to the budget),
-           evict the one whole page with the lowest summed score, never the
-           first page nor the tail page, so the cache stays at a constant size.
-           Evicting a page is a page-table edit (``PagedKVCache.drop_pages``):
-           no key or value moves and the page returns to the free stack.
+  decode   append; once a head holds more than its budget (plus its question
+           in query-agnostic mode) and its tail page is full, evict the one
+           whole page with the lowest summed score, never the first page, the
+           tail page nor a page holding the question: a head holds between
+           its budget and a page more (the prototype's rule). Evicting a page
+           is a page-table edit (``PagedKVCache.drop_pages``): no key or value
+           moves and the page returns to the free stack.
 
 Parameters:
   page_size   16          slots per page; must equal generate's page_size (the prototype's)
@@ -22,11 +24,11 @@ Parameters:
 
 The paper states block-wise eviction for a paged layout without attention
 scores and "one block evicted once the recent block becomes full"; the score
-||v|| / ||k|| is read from summaries. Ours, each with its reason in
-docs/methods.md: a head evicts when it reaches its limit (the budget); the
-page with the lowest score summed over its tokens and the layer's heads goes,
-among all pages but the first and the tail (``candidates`` reproduces the
-prototype's oldest three); ``window``; ||k|| clamped at 1e-6.
+||v|| / ||k|| is read from summaries; the decode trigger (append, then evict
+past the budget with the tail page full) and the oldest-pages candidates
+(``candidates=3``) are the authors' prototype's. Ours, each with its reason in
+docs/methods.md: every middle page a candidate by default; question pages
+kept; ``window``; ||k|| clamped at 1e-6.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import backend as backend_lib
-from kvjax.cache.paged import EMPTY
+from kvjax.cache.paged import EMPTY, round_up
 from kvjax.policies import scoring
 from kvjax.policies import selection
 from kvjax.policies.base import Policy
@@ -99,10 +101,17 @@ class PagedEviction(Policy):
                        f"has page_size={page_size}; set both to the same value")
 
   def capacity(self, *, budget, prompt_len, extra_tokens, max_new_tokens, page_size, num_layers):
+    """Slots per layer: the budget (and question) and the tail page that fills past it.
+
+    A head evicts once it holds more than b + extra_tokens with its tail page
+    full, so it never holds more than round_up(b + extra_tokens + 1) entries:
+    the budget and one page more when the budget fills whole pages (the
+    decode loop appends max_new_tokens - 1 tokens: the last is never stored).
+    """
     self._check_page_size(page_size)
-    return super().capacity(budget=budget, prompt_len=prompt_len, extra_tokens=extra_tokens,
-                            max_new_tokens=max_new_tokens, page_size=page_size,
-                            num_layers=num_layers)
+    grows = min(max_new_tokens - 1, 1)
+    return tuple(round_up(b + extra_tokens + grows, page_size)
+                 for b in self.layer_budgets(budget, prompt_len, num_layers))
 
   def _reduce_heads(self, scores: jax.Array, axis: int) -> jax.Array:
     """One score for all KV heads of a layer (the prototype's) unless per_head."""
@@ -149,30 +158,46 @@ class PagedEviction(Policy):
       sums = jnp.broadcast_to(collectives.heads_sum(sums, 2, keepdims=True), sums.shape)
     return jnp.where(table >= 0, sums, jnp.inf)
 
-  def evict_page(self, cache) -> jax.Array:
+  def evict_page(self, cache, question: jax.Array | None = None) -> jax.Array:
     """[B, L, K] index of the page each head would give up (-1 when none may go).
 
-    Candidates: pages 1 .. tail - 1 (never the first, never the tail page), and
-    with ``candidates`` > 0 only the oldest ``candidates`` of them.
+    Candidates: pages 1 .. tail - 1 (never the first, never the tail page),
+    none holding a position of ``question`` ([B, 2] [start, end)), and with
+    ``candidates`` > 0 only the oldest ``candidates`` of those.
     """
     scores = self.page_scores(cache)
     j = jnp.arange(scores.shape[-1])
     tail = (jnp.maximum(cache.lengths, 1) - 1) // cache.page_size  # [B, L, K]
     ok = (j >= 1) & (j < tail[..., None])
+    if question is not None:
+      ok &= ~_pages_holding(cache, question)
     if self.candidates:
-      ok &= j <= self.candidates
+      ok &= jnp.cumsum(ok, -1) <= self.candidates
     pick = jnp.argmin(jnp.where(ok, scores, jnp.inf), axis=-1).astype(jnp.int32)
     return jnp.where(ok.any(-1), pick, EMPTY)
 
-  def before_decode_step(self, cache, limit, positions):
-    """Evicts one whole page from every head at its limit, before the append."""
+  def before_decode_step(self, cache, limit, positions, question=None):
+    """Evicts a page from every head past its limit whose tail page is full, before the append.
+
+    The prototype appends, then evicts once the cache is past its budget and
+    its tail page is full; evicting at the start of the next step instead
+    attends over the same entries at every step and needs no second hook.
+    """
     del positions
     self._check_page_size(cache.page_size)
-    full = cache.lengths >= limit
+    full = (cache.lengths > limit) & (cache.lengths % cache.page_size == 0)
 
     def evict(cache):
-      return cache.drop_pages(jnp.where(full, self.evict_page(cache), EMPTY))
+      return cache.drop_pages(jnp.where(full, self.evict_page(cache, question), EMPTY))
 
     # A page is evicted once every page_size steps: skip the scoring otherwise.
     # On a mesh every shard takes the same branch: the branch holds collectives.
     return jax.lax.cond(collectives.any_anywhere(full), evict, lambda c: c, cache)
+
+
+def _pages_holding(cache, span: jax.Array) -> jax.Array:
+  """[B, L, K, P_max] bool: the head's page holds a position in [start, end) (span [B, 2])."""
+  pos = selection.slot_view(cache, cache.positions)  # [B, L, K, S]
+  inside = ((pos >= span[:, 0, None, None, None]) & (pos < span[:, 1, None, None, None])
+            & selection.filled_slots(cache))
+  return inside.reshape(cache.page_table.shape + (cache.page_size,)).any(-1)
