@@ -1,5 +1,7 @@
 """DynSplit-KV: boundaries where density drops, the s + C fallback, block selection, exactly B."""
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -72,6 +74,45 @@ def test_keeps_whole_blocks_then_exactly_the_budget():
   np.testing.assert_array_equal(np.asarray(plan.keep).sum(-1), 19)
 
 
+def _ends(starts, sizes):
+  starts, sizes = np.asarray(starts[0]), np.asarray(sizes[0])
+  return (starts + sizes)[sizes > 0].tolist()
+
+
+def test_a_shared_split_gives_every_layer_the_split_of_the_mean_density():
+  # Layer 0's window attends to tokens 13-17, layer 1's to 35-39; every token is
+  # a candidate. Alone, each layer cuts after its own run (18, 40); shared, both
+  # take the split of the two layers' mean density.
+  policy = _policy(delimiter_ids=tuple(range(0, 60)))
+  prompt = _prompt(np.arange(T) % 50)
+  (q0, k0), (q1, k1) = _attending(list(range(13, 18))), _attending(list(range(35, 40)))
+  dens = [policy.scorer.prefix_scores(q, k, prompt.lengths)[1] for q, k in ((q0, k0), (q1, k1))]
+  own = [_ends(*policy.split(prompt, d)) for d in dens]
+  assert own == [[11, 18, 29, 40, 51, 56], [11, 22, 33, 40, 51, 56]]
+
+  shared = dataclasses.replace(policy, shared_split=True)
+  assert shared.needs_every_layer and not policy.needs_every_layer
+  recorded = (jnp.stack([q0, q1]), jnp.stack([k0, k1]), jnp.stack([k0, k1]))
+  select = shared.select_recorded(24, (24, 24), prompt, recorded)
+  starts, sizes = policy.split(prompt, (dens[0] + dens[1]) / 2)
+  assert _ends(starts, sizes) not in own
+  changed = []
+  for layer, (q, k) in enumerate(((q0, k0), (q1, k1))):
+    slots, _ = select(layer, prompt, q, k, k)
+    scores = policy.scorer.prefix_scores(q, k, prompt.lengths)[0]
+    want = policy.plan_from_blocks(scores, starts, sizes, prompt, 24, 24).keep
+    np.testing.assert_array_equal(np.asarray(slots) >= 0, want)
+    np.testing.assert_array_equal((np.asarray(slots) >= 0).sum(-1), 24)
+    alone = policy.select(24, (24, 24))(layer, prompt, q, k, k)[0]
+    changed.append(bool((np.asarray(alone) != np.asarray(slots)).any()))
+  assert any(changed)
+  # Per layer, select_recorded is select.
+  slots, _ = policy.select_recorded(24, (24, 24), prompt, recorded)(1, prompt, q1, k1, k1)
+  np.testing.assert_array_equal(slots, policy.select(24, (24, 24))(1, prompt, q1, k1, k1)[0])
+  with pytest.raises(ValueError, match="needs them all first"):
+    shared.select(24, (24,))
+
+
 def _random_inputs(seed, t=96):
   rng = np.random.default_rng(seed)
   q = jnp.asarray(rng.normal(size=(1, t, K * G, H)), jnp.float32)
@@ -106,6 +147,8 @@ def test_candidates_come_from_token_text(smollm2_lm):
 def test_bad_fields():
   with pytest.raises(ValueError, match="delta 8 must be below chunk 8"):
     policies.get("dynsplit_kv", chunk=8, delta=8)
+  with pytest.raises(ValueError, match="shared_split must be a bool"):
+    policies.get("dynsplit_kv", shared_split=1)
   with pytest.raises(ValueError, match="alpha must be a finite number"):
     policies.get("dynsplit_kv", alpha=float("nan"))
   q, k, prompt = _random_inputs(0)

@@ -85,3 +85,20 @@ def test_paged_eviction_decodes_within_a_page_of_the_budget(smollm2_lm, passkey,
       # Generated tokens left in runs of whole pages (no single-token holes).
       missing = sorted(set(range(n, last + 1)) - set(row.tolist()))
       assert len(missing) % 16 == 0 and missing
+
+
+def test_dynsplit_shared_split_runs_alone_and_among_runs(smollm2_lm, passkey):
+  # One split for all layers needs every layer's density first: generate
+  # records the prompt's forward even for this one run, and the result is the
+  # one the run gets among others (the shared record path).
+  shared = kvjax.policies.get("dynsplit_kv", window=WINDOW, shared_split=True)
+  alone = kvjax.generate(smollm2_lm, [passkey], policy=shared, budget=BUDGET, max_new_tokens=8)
+  assert alone.stats.shared_prefill_s > 0
+  testing.assert_cache_consistent(alone.cache)
+  np.testing.assert_array_equal(alone.cache.lengths, BUDGET + 7)  # 7 tokens appended
+  per_layer, among = kvjax.generate_each(
+      smollm2_lm, [passkey], [(kvjax.policies.get("dynsplit_kv", window=WINDOW), BUDGET),
+                              (shared, BUDGET)], max_new_tokens=8)
+  assert among.token_ids == alone.token_ids
+  np.testing.assert_array_equal(among.cache.kept_positions(), alone.cache.kept_positions())
+  assert not np.array_equal(per_layer.cache.kept_positions(), among.cache.kept_positions())

@@ -203,7 +203,8 @@ def generate_each(
     mesh_lib.check_mesh(mesh, lm.config, batch.size)
     lm = layout.shard_model(lm, mesh)
   shared, recorded = Clock(), None
-  if len(runs) > 1 and not prefill_chunk:
+  # Shared by the runs, or needed by a policy that selects from every layer at once.
+  if (len(runs) > 1 or any(p.needs_every_layer for p, _ in runs)) and not prefill_chunk:
     recorded = plan_lib.record(lm, batch, options, shared)
   for i, (policy, budget) in enumerate(runs):
     # Every run counts the shared forward's time; its compilation counts once.

@@ -106,7 +106,7 @@ def store(params, cache, recorded, tokens, lengths, *, graphdef, policy, budget,
   del params, graphdef
   with backend_lib.use(backend):
     prompt = attention_lib.Prompt(tokens, _positions(tokens), lengths)
-    select = policy.select(budget, budgets)
+    select = policy.select_recorded(budget, budgets, prompt, recorded)
 
     def layer_body(layer, cache):
       q, k, v = (x[layer] for x in recorded)

@@ -121,6 +121,22 @@ class Policy:
     grow = 0 if self.evicts_during_decode else max_new_tokens
     return tuple(round_up(b + extra_tokens + grow, page_size) for b in budgets)
 
+  @property
+  def needs_every_layer(self) -> bool:
+    """Its prefill needs every layer's q and k before any layer keeps (``select_recorded``)."""
+    return False
+
+  def select_recorded(self, budget: int | None, layer_budgets: tuple[int, ...], prompt,
+                      recorded) -> attention_lib.SelectFn:
+    """The keep rule when the prompt's forward was recorded first (default: ``select``).
+
+    Args:
+      prompt: the ``Prompt`` (tokens, positions, lengths).
+      recorded: (q [L, B, T, N, H], k [L, B, T, K, H], v [L, B, T, K, H]).
+    """
+    del prompt, recorded
+    return self.select(budget, layer_budgets)
+
   def select(self, budget: int | None, layer_budgets: tuple[int, ...]) -> attention_lib.SelectFn:
     """The prefill keep rule: select(layer, prompt, q, k, v) -> (slots, slot scores | None)."""
     max_budget = max(layer_budgets)

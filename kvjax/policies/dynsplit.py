@@ -28,13 +28,17 @@ Parameters:
   chunk          16                  C, the ideal block length
   delta          4                   D: a block ends within [s + C - D, s + C + D]
   alpha          1.0                 weight of the density after a candidate boundary
+  shared_split   False               True: one split for every layer, from the density
+                                     averaged over layers (the summary's E over l, h, q)
 
 The paper states dynamic importance-aware delimiter selection and the
 uniform mapping; summaries give the boundary score's form and the
 [s + C - D, s + C + D] range. Ours, each with its reason in docs/methods.md:
 the candidate set, means rather than sums in the boundary weight (blocks of
-different lengths compare fairly), one split per layer, the tile layout,
-whole blocks by mean score and the exact-budget top-up.
+different lengths compare fairly), one split per layer by default (the
+summary's expectation also runs over layers: ``shared_split``; measured both
+ways in docs/methods.md), the tile layout, whole blocks by mean score and the
+exact-budget top-up.
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ class DynSplitKV(DelimiterFields, WindowFields, Policy):
   chunk: int = 16  # C: the ideal block length
   delta: int = 4  # D: a block ends within [s + C - D, s + C + D]
   alpha: float = 1.0  # weight of the density after a candidate boundary
+  shared_split: bool = False  # one split for all layers, from their mean density
 
   def __post_init__(self):
     super().__post_init__()
@@ -86,14 +91,41 @@ class DynSplitKV(DelimiterFields, WindowFields, Policy):
       raise ValueError(f"policy {self.name!r}: delta {self.delta} must be below chunk "
                        f"{self.chunk}")
     self._check_number("alpha", 0)
+    if not isinstance(self.shared_split, bool):
+      raise ValueError(f"policy {self.name!r}: shared_split must be a bool, "
+                       f"got {self.shared_split!r}")
+
+  @property
+  def needs_every_layer(self) -> bool:
+    return self.shared_split
 
   def select(self, budget, layer_budgets):
+    if self.shared_split:
+      raise ValueError(f"policy {self.name!r} with shared_split=True splits once from every "
+                       "layer's density: its prefill needs them all first (kvjax.generate "
+                       "records the prompt's forward pass, then selects: select_recorded)")
+    return self._select(layer_budgets, lambda prompt, q, k, density: self.split(prompt, density))
+
+  def select_recorded(self, budget, layer_budgets, prompt, recorded):
+    if not self.shared_split:
+      return self.select(budget, layer_budgets)
+    q_all, k_all, _ = recorded  # [L, B, T, N, H], [L, B, T, K, H]
+    density = jax.lax.map(lambda qk: self.scorer.prefix_scores(*qk, prompt.lengths)[1],
+                          (q_all, k_all))  # [L, B, T]
+    starts, sizes = self.split(prompt, density.mean(0))
+    return self._select(layer_budgets, lambda *_: (starts, sizes))
+
+  def _select(self, layer_budgets, split):
+    """The select function; ``split(prompt, q, k, density)`` gives the layer's blocks."""
     max_budget = max(layer_budgets)
     table = jnp.asarray(layer_budgets, jnp.int32)
 
     def select(layer, prompt, q, k, v):
       del v
-      return selection.slots_from_keep(self.plan(prompt, q, k, table[layer], max_budget).keep), None
+      scores, density = self.scorer.prefix_scores(q, k, prompt.lengths)
+      starts, sizes = split(prompt, q, k, density)
+      plan = self.plan_from_blocks(scores, starts, sizes, prompt, table[layer], max_budget)
+      return selection.slots_from_keep(plan.keep), None
 
     return select
 
@@ -104,12 +136,22 @@ class DynSplitKV(DelimiterFields, WindowFields, Policy):
 
   def plan_from_scores(self, scores, density, prompt, budget, max_budget: int) -> Plan:
     """The split and the selection from token scores [B, K, T] and density [B, T]."""
-    b, kh, t = scores.shape
-    prefix, window = selection.regions(prompt.lengths, t, self.window)
+    starts, sizes = self.split(prompt, density)
+    return self.plan_from_blocks(scores, starts, sizes, prompt, budget, max_budget)
+
+  def split(self, prompt, density: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Blocks (starts, sizes [B, NB] int32) of the prefix where density [B, T] drops."""
+    t = density.shape[-1]
+    prefix, _ = selection.regions(prompt.lengths, t, self.window)
     candidate = self.is_delimiter(prompt.tokens) & prefix
-    starts, sizes = backend_lib.get("dynamic_split")(
+    return backend_lib.get("dynamic_split")(
         jnp.where(prefix, density, 0.0), candidate, jnp.maximum(prompt.lengths - self.window, 0),
         chunk=self.chunk, delta=self.delta, alpha=float(self.alpha))
+
+  def plan_from_blocks(self, scores, starts, sizes, prompt, budget, max_budget: int) -> Plan:
+    """The selection from token scores [B, K, T] and blocks (starts, sizes [B, NB])."""
+    b, kh, t = scores.shape
+    prefix, window = selection.regions(prompt.lengths, t, self.window)
     nb = starts.shape[1]
     width = self.chunk + self.delta
     # Uniform mapping: block j is tile j of `width` slots, the first sizes[j] valid.
