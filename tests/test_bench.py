@@ -8,7 +8,10 @@ import jax
 import numpy as np
 import pytest
 
+from kvjax import policies
+from kvjax.bench import report
 from kvjax.bench import runner
+from kvjax.eval import policy_entries
 
 FIELDS = ("model", "policy", "budget", "context_length", "batch_size", "decode_steps", "fill",
           "backend", "decode_ms_per_token", "decode_tokens_per_s", "prefill_s", "kv_bytes",
@@ -29,6 +32,9 @@ def test_measure_row(smollm2_lm, fill, policy, budget):
   assert (row["model"], row["policy"], row["budget"], row["context_length"], row["batch_size"],
           row["fill"], row["scan_layers"]) == (
               cfg.model, policy, budget, 160, 1, fill, smollm2_lm.scan_layers)
+  # The policy ran at its defaults (no --window), each of them recorded.
+  assert row["policy_fields"] == {}
+  assert row["policy_settings"] == policy_entries.settings(policies.get(policy))
   assert row["decode_steps"] == 3  # as asked: forward passes timed (the first token is prefill's)
   assert "times 3 decode steps" in row["decode_note"]
   assert row["backend"] in ("xla", "pallas", "native")  # "auto" resolved
@@ -102,15 +108,19 @@ def test_synthetic_cache_per_layer_budgets(smollm2_lm):
 
 def test_cli_writes_rows_summary_and_plots(tmp_path):
   proc = subprocess.run(
-      [sys.executable, "-m", "kvjax.bench", "--policies=full,snapkv", "--budget=32",
+      [sys.executable, "-m", "kvjax.bench", "--policies=full,snapkv:window=8", "--budget=32",
        "--context_lengths=96", "--decode_steps=2", "--repeats=1", "--isolate=false",
        f"--out={tmp_path}"], capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-2000:]
   rows = [json.loads(l) for l in (tmp_path / "results.jsonl").read_text().splitlines()]
   assert [(r["policy"], r["budget"]) for r in rows] == [("full", None), ("snapkv", 32)]
+  assert [r["policy_fields"] for r in rows] == [{}, {"window": 8}]  # the entry's own field
+  assert rows[1]["policy_settings"] == policy_entries.settings(policies.get("snapkv", window=8))
   assert sorted(p.name for p in tmp_path.iterdir()) == [
       "decode_ms_per_token.png", "peak_memory.png", "results.jsonl", "summary.md"]
-  assert "## Decode ms per token" in proc.stdout and "| snapkv @ 32 |" in proc.stdout
+  assert "## Decode ms per token" in proc.stdout and "| snapkv (window=8) @ 32 |" in proc.stdout
+  settings = policy_entries.settings_text(rows[1]["policy_settings"])
+  assert f"| snapkv (window=8) | {settings} |" in proc.stdout.split("## Settings")[1]
 
 
 def test_compilation_cache_second_run_loads_every_program(tmp_path):
@@ -133,6 +143,41 @@ def test_compilation_cache_second_run_loads_every_program(tmp_path):
   assert second["programs_from_cache"] == first["programs_compiled"]
   assert "loaded from the compilation cache, 0 compiled" in (
       tmp_path / "second" / "summary.md").read_text()
+
+
+def test_entry_fields_reach_the_policy_and_survive_the_child_json():
+  import dataclasses
+  cfg = runner.BenchConfig(policy="paged_eviction", entry_fields=(("candidates", 3),),
+                           budget=64, window=8)
+  assert cfg.policy_fields == {"window": 8, "candidates": 3}
+  assert cfg.label == "paged_eviction (candidates=3, window=8)"
+  assert runner.make_policy(cfg) == policies.get("paged_eviction", candidates=3, window=8)
+  child = runner.BenchConfig(**json.loads(json.dumps(dataclasses.asdict(cfg))))
+  assert child == cfg and hash(child) == hash(cfg)  # the pairs are tuples again
+  entry = runner.BenchConfig(policy="sablock", entry_fields=(("window", 4),), budget=64,
+                             window=8)
+  assert runner.make_policy(entry).window == 4  # the entry's field wins over --window
+
+
+def test_summary_labels_each_entry_and_lists_its_settings():
+  row = dict(model="m", batch_size=1, device="cpu", backend="xla", context_length=96,
+             prefill_chunk=0, fill="prompt", decode_ms_per_token=2.0, prefill_s=0.1,
+             kv_bytes=2**20, peak_rss_bytes=2**30)
+  rows = [dict(row, policy="full", budget=None, policy_fields={}, policy_settings={}),
+          dict(row, policy="paged_eviction", budget=32, policy_fields={},
+               policy_settings={"candidates": 0, "per_head": False}),
+          dict(row, policy="paged_eviction", budget=32, policy_fields={"candidates": 3},
+               policy_settings={"candidates": 3, "per_head": False}),
+          dict(row, policy="snapkv", budget=32)]  # a row written before settings were kept
+  text = report.summary_markdown(rows)
+  table, settings = text.split("## Settings")
+  for label in ("full", "paged_eviction @ 32", "paged_eviction (candidates=3) @ 32",
+                "snapkv @ 32"):
+    assert f"| {label} | 2.0 |" in table, label
+  assert settings.splitlines()[-4:] == [
+      "| full | no fields |", "| paged_eviction | candidates=0, per_head=false |",
+      "| paged_eviction (candidates=3) | candidates=3, per_head=false |",
+      "| snapkv | not recorded |"]
 
 
 @pytest.mark.slow  # loads and compiles the unrolled model in a child process

@@ -119,8 +119,31 @@ def test_out_that_is_a_file_or_unwritable(tool, tmp_path, capsys):
     (BENCH, [f"--context_lengths={10**12}"], ["int32"]),
     (BENCH, ["--budget=5000", "--context_lengths=4096"], ["--budget 5000", "whole context"]),
     (BENCH, ["--policies=full,nope"], ["unknown policy 'nope'"]),
+    # --policies entries with fields of their own: name:field=value[:field=value...]
+    (EVAL, ["--policies=full,sablock:window=abc"], ["'sablock:window=abc'",
+                                                    "sablock's window takes an int"]),
+    (EVAL, ["--policies=paged_eviction:nope=1"], ["policy 'paged_eviction' has no field(s) "
+                                                  "['nope']"]),
+    (EVAL, ["--policies=sablock:window"], ["expected field=value"]),
+    (EVAL, ["--policies=snapkv,snapkv"], ["--policies repeats snapkv"]),
+    (EVAL, ["--window=16", "--policies=sablock,sablock:window=16"],
+     ["--policies repeats sablock (window=16)", "with --window=16"]),
+    (BENCH, ["--policies=full,paged_eviction:per_head=yes"], ["per_head takes true or false"]),
+    (BENCH, ["--policies=full,full"], ["--policies repeats full"]),
 ])
 def test_bad_flag_values(tool, args, words, tmp_path, capsys):
+  _one_error(*_call(tool, f"--out={tmp_path}", *args, capsys=capsys), *words)
+  assert not (tmp_path / "results.jsonl").exists()
+
+
+@pytest.mark.parametrize("tool, args, words", [
+    (EVAL, ["--policies=full,sablock:window=200", "--budgets=128", "--lengths=512"],
+     ["sablock (window=200): budget 128 must exceed"]),
+    (BENCH, ["--policies=sablock:window=2000", "--budget=1024", "--fill=synthetic"],
+     ["sablock (window=2000) at budget 1024", "must exceed"]),
+])
+def test_a_budget_an_entry_cannot_honour_names_the_entry(tool, args, words, model, tmp_path,
+                                                         capsys):
   _one_error(*_call(tool, f"--out={tmp_path}", *args, capsys=capsys), *words)
   assert not (tmp_path / "results.jsonl").exists()
 
@@ -191,7 +214,7 @@ def test_eval_interrupted_says_how_many_rows_are_kept(model, tmp_path, monkeypat
 def test_memory_estimate_refuses_what_cannot_fit(model, tmp_path, capsys):
   for args in (["--batch_size=100000"], [f"--context_lengths={10**9}", "--fill=synthetic"],
                [f"--decode_steps={10**9}", "--context_lengths=64", "--budget=64"]):
-    _one_error(*_call(BENCH, f"--out={tmp_path}", "--policies=full,snapkv", *args,
+    _one_error(*_call(BENCH, f"--out={tmp_path}", "--policies=full,snapkv:window=16", *args,
                       capsys=capsys), "needs an estimated", "more than the", "--batch_size")
   assert list(tmp_path.iterdir()) == []  # nothing ran, nothing written
 
@@ -212,7 +235,8 @@ def _old_run(out: pathlib.Path) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("error, words", [
-    (FloatingPointError("NaN"), ["snapkv at budget 32, 96 tokens", "FloatingPointError: NaN"]),
+    (FloatingPointError("NaN"), ["snapkv (window=16) at budget 32, 96 tokens",
+                                 "FloatingPointError: NaN"]),
     (MemoryError(), ["MemoryError"]),
 ])
 def test_failing_rerun_leaves_the_earlier_results(error, words, model, tmp_path, monkeypatch,
@@ -230,7 +254,8 @@ def test_failing_rerun_leaves_the_earlier_results(error, words, model, tmp_path,
 
   monkeypatch.setattr(runner, "measure", measure)
   _one_error(*_call(BENCH, f"--out={out}", "--isolate=false", "--policies=full,snapkv",
-                    "--budget=32", "--context_lengths=96", capsys=capsys), *words)
+                    "--window=16", "--budget=32", "--context_lengths=96", capsys=capsys),
+             *words)
   assert calls == ["full", "snapkv"]
   assert {name: (out / name).read_text() for name in old} == old  # untouched
   assert (out / "results.partial.jsonl").read_text() == '{"policy": "full"}\n'

@@ -6,17 +6,20 @@ import sys
 
 import pytest
 
+from kvjax import policies
+from kvjax.eval import policy_entries
 from kvjax.eval import report
 from kvjax.eval import runner
 
-TINY = dict(policies=("full", "snapkv"), budgets=(64,), lengths=(320,), depths=(0.5,),
+# SnapKV at its own defaults: a budget above its observation window.
+TINY = dict(policies=("full", "snapkv"), budgets=(96,), lengths=(320,), depths=(0.5,),
             haystacks=("repeat",))
 
 
 def test_tiny_run_writes_every_output_and_resumes(smollm2_lm, tmp_path):
   cfg = runner.EvalConfig(**TINY)
   rows = runner.run(cfg, tmp_path, progress=False, lm=smollm2_lm)
-  assert [(r["policy"], r["budget"]) for r in rows] == [("full", None), ("snapkv", 64)]
+  assert [(r["policy"], r["budget"]) for r in rows] == [("full", None), ("snapkv", 96)]
   for r in rows:
     for field in ("model", "task", "policy", "budget", "length", "depth", "query_aware",
                   "correct", "score", "prediction", "answer", "prefill_s", "decode_s",
@@ -32,11 +35,14 @@ def test_tiny_run_writes_every_output_and_resumes(smollm2_lm, tmp_path):
   assert 0 < full["shared_prefill_s"] == snap["shared_prefill_s"] < snap["prefill_s"]
   assert full["correct"]  # the full cache answers this prompt
   assert snap["kv_bytes"] < full["kv_bytes"]
-  assert snap["policy_fields"] == {"window": 16}
+  # No --window: SnapKV ran at its defaults, every one of them recorded.
+  assert snap["policy_fields"] == {} and full["policy_settings"] == {}
+  assert snap["policy_settings"] == policy_entries.settings(policies.get("snapkv"))
   text = report.write_report(rows, tmp_path)
-  assert "| **full** | 100% (1) |" in text and "| snapkv (window=16) |" in text
+  assert "| **full** | 100% (1) |" in text and "| snapkv | " in text
+  assert f"| snapkv | {policy_entries.settings_text(snap['policy_settings'])} |" in text
   written = sorted(p.name for p in tmp_path.iterdir())
-  assert written == ["accuracy_vs_budget_niah_repeat_aware.png", "heatmap_niah_repeat_aware_b64.png",
+  assert written == ["accuracy_vs_budget_niah_repeat_aware.png", "heatmap_niah_repeat_aware_b96.png",
                      "results.jsonl", "summary.md"]
   # Resuming: nothing left to run, the same rows come back, the file does not grow.
   lines = (tmp_path / "results.jsonl").read_text().splitlines()
@@ -44,7 +50,7 @@ def test_tiny_run_writes_every_output_and_resumes(smollm2_lm, tmp_path):
   assert again == rows
   assert (tmp_path / "results.jsonl").read_text().splitlines() == lines
   # A larger run only adds its new rows.
-  more = runner.run(runner.EvalConfig(**{**TINY, "budgets": (64, 96)}), tmp_path,
+  more = runner.run(runner.EvalConfig(**{**TINY, "budgets": (96, 128)}), tmp_path,
                     progress=False, lm=smollm2_lm)
   assert len(more) == 3
   assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 3
@@ -85,6 +91,7 @@ def test_summary_table_by_hand():
     (["--task=dataset"], "--dataset goes with --task=dataset"),
     (["--task=dataset", "--dataset=/no/such.jsonl"], "does not exist"),
     (["--policies=bogus"], "unknown policy 'bogus'"),
+    (["--policies=full,paged_eviction:candidates=x"], "paged_eviction's candidates takes an int"),
 ])
 def test_bad_flags_exit_2_with_one_line(tmp_path, args, message):
   proc = subprocess.run([sys.executable, "-m", "kvjax.eval", f"--out={tmp_path}", *args],

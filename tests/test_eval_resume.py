@@ -19,8 +19,9 @@ from kvjax.eval import results
 from kvjax.eval import runner
 from kvjax.models.tokenizer import Tokenizer
 
+# --window=16: SnapKV's own window (64) would not fit these small budgets.
 NIAH = dict(policies=("full", "snapkv"), budgets=(48,), lengths=(160,), depths=(0.5,),
-            haystacks=("repeat",), max_new_tokens=3)
+            haystacks=("repeat",), max_new_tokens=3, window=16)
 DATASET = dict(task="dataset", policies=("full",), metric="contains", max_new_tokens=3)
 
 
@@ -165,7 +166,7 @@ def test_a_failing_sample_is_named(lm, tmp_path, monkeypatch):
   with pytest.raises(runner.EvalError) as info:
     _run(lm, tmp_path, **NIAH)
   assert str(info.value) == ("sample 'niah-repeat-160-0.5-0-0' (niah, 160 tokens, depth 0.5, "
-                             "repeat haystack) under full, snapkv at budget 48: "
+                             "repeat haystack) under full, snapkv (window=16) at budget 48: "
                              "FloatingPointError: boom")
   assert isinstance(info.value.__cause__, FloatingPointError)
   data = _write_jsonl(tmp_path / "d.jsonl", _facts(["a", "b"], ["x"] * 2))
@@ -239,13 +240,19 @@ def test_a_file_cut_anywhere_reads_back_its_whole_rows(tmp_path_factory, rows, c
 
 def test_the_key_holds_the_sample_content_and_every_setting():
   head = dict(model="m", task="dataset", dataset="/d.jsonl", sample_sha256="x", id="0",
-              length=64, depth=None, policy="snapkv", policy_fields={"window": 16}, budget=64,
+              length=64, depth=None, policy="snapkv", policy_fields={"window": 16},
+              policy_settings={"window": 16, "kernel": 5, "group": "mean"}, budget=64,
               query_aware=True, prefill_chunk=0, packed=False, seed=0, max_new_tokens=8,
               metric="qa_f1")
   assert set(head) == set(results.KEY_FIELDS)
   for field in results.KEY_FIELDS:
-    changed = dict(head, **{field: {"window": 8} if field == "policy_fields" else "other"})
+    changed = dict(head, **{field: "other"})
+    if field in ("policy_fields", "policy_settings"):
+      changed[field] = dict(head[field], window=8)
     assert results.row_key(changed) != results.row_key(head), field
+  # A default that changed (the same fields given, other settings) runs the row again.
+  changed = dict(head, policy_settings=dict(head["policy_settings"], kernel=7))
+  assert results.row_key(changed) != results.row_key(head)
   assert results.row_key(dict(head, prediction="p")) == results.row_key(head)
   digest = results.sample_sha256
   assert digest("c", "q", ["a"]) != digest("c", "q", ["b"]) != digest("c", "q2", ["b"])

@@ -8,6 +8,16 @@ r"""Decode speed, prefill time and memory of KV-cache policies against context l
                                                  # run loads its programs, compiles none
   python -m kvjax.bench --preset=accelerator   # a GPU/TPU against its physical floor
                                                  # (kvjax/bench/accelerator/)
+  python -m kvjax.bench --policies=full,paged_eviction,paged_eviction:candidates=3
+
+Every policy runs at its own defaults. An entry of --policies may set fields
+of its own, name:field=value[:field=value...] (ints, floats, true/false,
+text; kvjax.eval.policy_entries), and --window, when nonzero, sets the
+observation window (H2O: recent window) of every policy that has one; an
+entry's own fields win over it. Each row records the fields set explicitly
+(``policy_fields``) and every setting the policy ran with
+(``policy_settings``); the summary labels a policy ``name (field=value, ...)``
+and ends with each one's settings.
 
 Each (policy, context length) runs in a fresh child process (``--isolate``), so
 its peak memory is its own. Lengths that fit the model's context run a real
@@ -40,12 +50,15 @@ from kvjax.bench import accelerator
 from kvjax.bench import memory
 from kvjax.bench import report
 from kvjax.bench import runner
+from kvjax.eval import policy_entries
 
 _D = runner.BenchConfig()
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", _D.model, "Registry name, .gguf path or safetensors folder.")
 flags.DEFINE_list("policies", ["full", "snapkv", "streaming_llm", "paged_eviction"],
-                  "Policies; 'full' is the uncompressed reference.")
+                  "Policies, each at its own defaults; 'full' is the uncompressed reference. An "
+                  "entry may set fields of its own, name:field=value[:field=value...], e.g. "
+                  "paged_eviction:candidates=3 (one policy may appear twice, with other fields).")
 flags.DEFINE_integer("budget", 1024, "KV entries per (layer, KV head) for every policy but full.")
 flags.DEFINE_list("context_lengths", ["4096", "8000", "16384", "32768"],
                   "Cache lengths in tokens before decoding.")
@@ -59,7 +72,9 @@ flags.DEFINE_enum("fill", _D.fill, ["auto", "prompt", "synthetic"],
                   "How the cache is filled: a real prompt, synthetic entries, or auto "
                   "(a prompt where it fits the model's context).")
 flags.DEFINE_integer("repeats", _D.repeats, "Timed runs after the warm-up (the best counts).")
-flags.DEFINE_integer("window", _D.window, "Observation window of window-scored policies.")
+flags.DEFINE_integer("window", _D.window, "Observation window of every policy that has one "
+                     "(H2O: its recent window); 0 = each policy's own default. Fields an "
+                     "entry of --policies sets win over it.")
 flags.DEFINE_bool("scan_layers", _D.scan_layers,
                   "Stacked layers under lax.scan; --noscan_layers gives each layer its own "
                   "weights and unrolls them: faster decode steps, slower compilation.")
@@ -119,25 +134,23 @@ def configs() -> list[runner.BenchConfig]:
   model (a prompt that fits its context, a budget a policy honours, memory)
   is ``check_configs``.
   """
-  from kvjax import policies
-  for name in FLAGS.policies:
-    try:
-      policies.get(name)
-    except ValueError as e:
-      raise cli.UsageError(str(e)) from None
   for name in ("batch_size", "decode_steps", "repeats", "budget"):
     if getattr(FLAGS, name) < 1:
       raise cli.UsageError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
   for name in ("prefill_chunk", "window"):
     if getattr(FLAGS, name) < 0:
       raise cli.UsageError(f"--{name} must be >= 0, got {getattr(FLAGS, name)}")
+  try:
+    entries = policy_entries.parse_all(FLAGS.policies, FLAGS.window)
+  except ValueError as e:
+    raise cli.UsageError(str(e)) from None
   lengths = _ints("context_lengths")
   for n in lengths:
     if n + FLAGS.decode_steps + 1 > MAX_POSITIONS:
       raise cli.UsageError(f"--context_lengths {n} + --decode_steps {FLAGS.decode_steps} "
                            f"exceeds the {MAX_POSITIONS:,} positions a cache can number "
                            "(int32)")
-  compressed = [p for p in FLAGS.policies if p != "full"]
+  compressed = [str(e) for e in entries if e.name != "full"]
   if compressed and FLAGS.budget > min(lengths):
     raise cli.UsageError(f"--budget {FLAGS.budget} is above --context_lengths {min(lengths)}: "
                          f"{compressed[0]} would keep the whole context; lower --budget or "
@@ -145,18 +158,19 @@ def configs() -> list[runner.BenchConfig]:
   cache_dir = FLAGS.compilation_cache and str(
       pathlib.Path(FLAGS.compilation_cache).expanduser().resolve())
   return [runner.BenchConfig(
-      model=FLAGS.model, policy=p, budget=None if p == "full" else FLAGS.budget,
+      model=FLAGS.model, policy=e.name, entry_fields=e.fields,
+      budget=None if e.name == "full" else FLAGS.budget,
       context_length=n, batch_size=FLAGS.batch_size, decode_steps=FLAGS.decode_steps,
-      prefill_chunk=FLAGS.prefill_chunk if p != "full" else 0, backend=FLAGS.backend,
+      prefill_chunk=FLAGS.prefill_chunk if e.name != "full" else 0, backend=FLAGS.backend,
       fill=FLAGS.fill, repeats=FLAGS.repeats, window=FLAGS.window,
       scan_layers=FLAGS.scan_layers, packed=FLAGS.packed,
       compilation_cache=cache_dir, mesh=FLAGS.mesh)
-      for n in lengths for p in FLAGS.policies]
+      for n in lengths for e in entries]
 
 
 def _describe(cfg: runner.BenchConfig) -> str:
   budget = "" if cfg.budget is None else f" at budget {cfg.budget}"
-  return f"{cfg.policy}{budget}, {cfg.context_length} tokens, batch {cfg.batch_size}"
+  return f"{cfg.label}{budget}, {cfg.context_length} tokens, batch {cfg.batch_size}"
 
 
 def check_configs(todo: list[runner.BenchConfig], lm, available: int | None,

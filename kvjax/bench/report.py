@@ -1,4 +1,9 @@
-"""summary.md and PNG plots of benchmark rows."""
+"""summary.md and PNG plots of benchmark rows.
+
+A policy is labelled ``name (field=value, ...) @ budget`` with the fields set
+explicitly (--window, or in its --policies entry), in the tables and the plots'
+legends alike; the summary ends with every setting each label ran with.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +11,39 @@ import collections
 import pathlib
 
 from kvjax import plots
+from kvjax.eval import policy_entries
 
 MIB = 2**20
 # The PNG files ``plot`` writes.
 PLOTS = ("decode_ms_per_token.png", "peak_memory.png")
 
 
+def _policy_label(row: dict) -> str:
+  return policy_entries.label(row["policy"], row.get("policy_fields"))
+
+
 def _label(row: dict) -> str:
-  label = row["policy"] if row["budget"] is None else f"{row['policy']} @ {row['budget']}"
+  label = _policy_label(row)
+  label += "" if row["budget"] is None else f" @ {row['budget']}"
   return label + (f", chunk {row['prefill_chunk']}" if row.get("prefill_chunk") else "")
+
+
+def _settings_lines(rows: list[dict]) -> list[str]:
+  """Every setting each policy label ran with, a table row per distinct set."""
+  seen = collections.defaultdict(list)
+  for r in rows:
+    values = r.get("policy_settings")
+    if values not in seen[_policy_label(r)]:
+      seen[_policy_label(r)].append(values)
+  lines = ["", "## Settings", "",
+           "Every field of each policy as it ran: its defaults, with --window and the fields "
+           "of its --policies entry (the label's brackets) over them.", "",
+           "| policy | settings |", "|---|---|"]
+  for label in sorted(seen, key=lambda l: (not l.startswith("full"), l)):
+    for values in seen[label]:
+      text = policy_entries.settings_text(values).replace("|", "\\|")
+      lines.append(f"| {label} | {text} |")
+  return lines
 
 
 def summary_markdown(rows: list[dict]) -> str:
@@ -76,6 +105,7 @@ def summary_markdown(rows: list[dict]) -> str:
     lines += ["", "## Peak device memory (memory_stats), MiB", "", head, rule]
     cells(lambda r, f: "–" if not r.get("device_peak_bytes") else
           f"{r['device_peak_bytes'] / MIB:.0f}")
+  lines += _settings_lines(rows)
   return "\n".join(lines) + "\n"
 
 

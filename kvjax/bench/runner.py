@@ -33,16 +33,23 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import buffer_memory
-from kvjax import policies
 from kvjax.bench import memory
+from kvjax.eval import policy_entries
 
 
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
-  """One measurement."""
+  """One measurement.
+
+  The policy runs at its defaults, under ``window`` when nonzero (every policy
+  that has an observation window, H2O's recent window) and ``entry_fields``
+  (the fields of its ``--policies`` entry, ``kvjax.eval.policy_entries``),
+  which win.
+  """
 
   model: str = "smollm2-135m-instruct"
   policy: str = "full"
+  entry_fields: tuple[tuple[str, object], ...] = ()  # (field, value) pairs, sorted by field
   budget: int | None = None  # None for the full cache
   context_length: int = 4096
   batch_size: int = 1
@@ -51,12 +58,31 @@ class BenchConfig:
   backend: str = "auto"
   fill: str = "auto"  # "auto": a real prompt where it fits the model's context
   repeats: int = 3
-  window: int = 16  # observation window of window-scored policies (0 = policy default)
+  window: int = 0  # observation window of every policy that has one; 0 = each one's default
   page_size: int = 16
   scan_layers: bool = True  # False: per-layer weights, layers unrolled (kvjax.load)
   packed: bool = False  # GGUF Q4_1 / Q8_0 matrices kept as their blocks (kvjax.load)
   compilation_cache: str | None = None  # JAX's persistent compilation cache folder
   mesh: str = ""  # "data:2,model:4": a device mesh (kvjax.sharding.make_mesh); "" one device
+
+  def __post_init__(self):
+    # A child process gets its configuration as JSON, where the pairs are lists.
+    object.__setattr__(self, "entry_fields", tuple(tuple(p) for p in self.entry_fields))
+
+  @property
+  def entry(self) -> policy_entries.PolicyEntry:
+    """The policy's ``--policies`` entry."""
+    return policy_entries.PolicyEntry(self.policy, self.entry_fields)
+
+  @property
+  def policy_fields(self) -> dict:
+    """The fields set explicitly: ``window``'s (when nonzero), then the entry's."""
+    return self.entry.run_fields(self.window)
+
+  @property
+  def label(self) -> str:
+    """``name (field=value, ...)``: the policy and the fields set explicitly."""
+    return policy_entries.label(self.policy, self.policy_fields)
 
 
 def peak_rss_bytes() -> int:
@@ -134,8 +160,8 @@ def resolve_fill(cfg: BenchConfig, model_config) -> str:
 
 
 def make_policy(cfg: BenchConfig, tokenizer=None):
-  """The configuration's policy (its observation window set), bound; ValueError for a bad budget."""
-  policy = policies.get(cfg.policy, **policies.window_fields(cfg.policy, cfg.window))
+  """The configuration's policy (its fields set), bound; ValueError for a bad budget."""
+  policy = cfg.entry.make(cfg.window)
   if tokenizer is not None:
     policy = policy.bind(tokenizer)
   policy.validate(cfg.budget)
@@ -163,7 +189,6 @@ def measure(cfg: BenchConfig, lm=None) -> dict:
   if lm is None:
     lm = kvjax.load(cfg.model, scan_layers=cfg.scan_layers, packed=cfg.packed)
   fill = resolve_fill(cfg, lm.config)
-  fields = policies.window_fields(cfg.policy, cfg.window)
   policy = make_policy(cfg, lm.tokenizer)
   if cfg.mesh and fill != "prompt":
     raise ValueError("--mesh measures prompt runs only (a synthetic fill writes a one-device "
@@ -176,7 +201,8 @@ def measure(cfg: BenchConfig, lm=None) -> dict:
   steps = row.pop("steps")  # forward passes timed: cfg.decode_steps (no stop id ends a run)
   estimate = estimate_memory(cfg, lm, prompt_tokens=row["prompt_tokens"])
   row.update({
-      "model": cfg.model, "policy": cfg.policy, "policy_fields": fields,
+      "model": cfg.model, "policy": cfg.policy, "policy_fields": cfg.policy_fields,
+      "policy_settings": policy_entries.settings(policy, cfg.policy_fields),
       "budget": cfg.budget, "context_length": cfg.context_length,
       "batch_size": cfg.batch_size, "decode_steps": cfg.decode_steps,
       "decode_note": (f"decode_s times {steps} decode steps (one forward pass each) of "

@@ -1,12 +1,24 @@
 r"""Accuracy of KV-cache policies at budgets on NIAH/RULER-style tasks or a local dataset.
 
   python -m kvjax.eval                          # the default run (a few minutes on a CPU)
-  python -m kvjax.eval --policies=full,snapkv,sablock --budgets=64,128,256 \
+  python -m kvjax.eval --policies=full,snapkv,sablock --budgets=128,256,512 \
       --lengths=1024,2048,4096,8192 --depths=0.1,0.3,0.5,0.7,0.9 --out=results/niah
   python -m kvjax.eval --task=dataset --dataset=ruler_4k.jsonl --metric=contains
+  python -m kvjax.eval --policies=full,paged_eviction,paged_eviction:candidates=3 \
+      --budgets=128,256                         # one policy twice: its default and a variant
 
-Writes --out/results.jsonl (one row per sample × policy × budget; a rerun skips
-the rows already there), --out/summary.md and PNG plots, and prints the summary.
+Every policy runs at its own defaults (docs/policies.md lists them). An entry
+of --policies may set fields of its own, name:field=value[:field=value...]
+(ints, floats, true/false, text); --window, when nonzero, sets the observation
+window (H2O: recent window) of every policy that has one, and an entry's own
+fields win over it. A budget must exceed what a policy always keeps (its sinks
+and window).
+
+Writes --out/results.jsonl (one row per sample × policy entry × budget, each
+with the fields set explicitly, ``policy_fields``, and every setting the policy
+ran with, ``policy_settings``; a rerun skips the rows already there),
+--out/summary.md (its tables label a row ``name (field=value, ...)`` and end
+with every row's settings) and PNG plots, and prints the summary.
 """
 
 from __future__ import annotations
@@ -21,7 +33,10 @@ from kvjax.eval import runner
 _D = runner.EvalConfig()
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", _D.model, "Registry name, .gguf path or safetensors folder.")
-flags.DEFINE_list("policies", list(_D.policies), "Policies to compare (kvjax.policies.names()).")
+flags.DEFINE_list("policies", list(_D.policies),
+                  "Policies to compare (kvjax.policies.names()), each at its own defaults; an "
+                  "entry may set fields of its own, name:field=value[:field=value...], e.g. "
+                  "paged_eviction:candidates=3 (one policy may appear twice, with other fields).")
 flags.DEFINE_list("budgets", [str(b) for b in _D.budgets],
                   "KV entries kept per (layer, KV head), sinks and window included.")
 flags.DEFINE_enum("task", _D.task, list(runner.TASKS), "Task; 'dataset' reads --dataset.")
@@ -33,8 +48,9 @@ flags.DEFINE_integer("num_samples", _D.num_samples,
 flags.DEFINE_integer("seed", _D.seed, "Seed of the synthetic prompts.")
 flags.DEFINE_bool("query_aware", _D.query_aware,
                   "Compress the question with the context (else compress, then ask).")
-flags.DEFINE_integer("window", _D.window, "Observation window of window-scored policies (and "
-                     "H2O's recent window); 0 = each policy's default.")
+flags.DEFINE_integer("window", _D.window, "Observation window of every policy that has one "
+                     "(H2O: its recent window); 0 = each policy's own default. Fields an "
+                     "entry of --policies sets win over it.")
 flags.DEFINE_integer("prefill_chunk", _D.prefill_chunk,
                      "Prefill in chunks of this many tokens, compressing after each; 0 = one shot.")
 flags.DEFINE_enum("backend", _D.backend, ["auto", "xla", "pallas", "native"], "Kernel backend.")
@@ -85,7 +101,7 @@ def config_from_flags() -> runner.EvalConfig:
         metric=FLAGS.metric, packed=FLAGS.packed, mesh=FLAGS.mesh)
   except ValueError as e:
     raise UsageError(str(e)) from None
-  compressed = [p for p in cfg.policies if p != "full"]
+  compressed = [str(e) for e in cfg.entries() if e.name != "full"]
   if cfg.task != "dataset" and compressed and cfg.budgets and cfg.lengths:
     if max(cfg.budgets) >= max(cfg.lengths):
       raise UsageError(f"--budgets {max(cfg.budgets)} is not below the longest of --lengths "

@@ -1,11 +1,15 @@
 """summary.md and PNG plots from results.jsonl rows.
 
 Tables: one per (task, haystack, mode, prefill chunk, length), a row per
-policy, a column per budget; cells are accuracy (mean score where the metric
-is not exact) over the samples. Full cache heads each table.
-Plots: the NIAH depth × length heatmap of each policy at each budget, and
-accuracy against budget per policy with the full cache as a line (a bar per
-policy, the full cache's first, where the run has one budget).
+policy entry, a column per budget; cells are accuracy (mean score where the
+metric is not exact) over the samples. Full cache heads each table. A row is
+labelled ``name (field=value, ...)`` with the fields set explicitly (by
+--window or its --policies entry), so two entries of one policy are two rows;
+a closing "Settings" table gives every setting each label ran with
+(``policy_settings``). Plots: the NIAH depth × length heatmap of each policy
+at each budget, and accuracy against budget per policy with the full cache as
+a line (a bar per policy, the full cache's first, where the run has one
+budget); their titles and legends use the same labels.
 
 The report is rebuilt from the run's own rows only (``runner.run`` returns
 those), and the plots it owns (OWNED_PLOTS) that the run does not draw are
@@ -21,6 +25,7 @@ from typing import Iterable
 import numpy as np
 
 from kvjax import plots
+from kvjax.eval import policy_entries
 
 # The PNG names the report draws (and removes when a run no longer draws them).
 OWNED_PLOTS = ("heatmap_*.png", "accuracy_vs_budget_*.png")
@@ -61,9 +66,15 @@ def _value(rows: list[dict]) -> float:
   return float(np.mean([r["score"] for r in rows]))
 
 
-def _label(policy: str, fields: dict) -> str:
-  return policy + (f" ({', '.join(f'{k}={v}' for k, v in sorted(fields.items()))})"
-                   if fields else "")
+def label(row: dict) -> str:
+  """The row's policy and the fields set explicitly: ``sablock (window=8)``."""
+  return policy_entries.label(row["policy"], row.get("policy_fields"))
+
+
+def _label_order(item) -> tuple:
+  """(policy, label) pairs: the full cache first, then by label."""
+  policy, text = item
+  return (policy != "full", text)
 
 
 def summary_markdown(rows: Iterable[dict], *, reused: int | None = None,
@@ -85,7 +96,9 @@ def summary_markdown(rows: Iterable[dict], *, reused: int | None = None,
               + f", {len(rows) - reused} run now")
   lines = [f"# Accuracy ({model})", "", count + ".", "",
            "Cells: accuracy (mean score for non-exact metrics) over the samples, n in brackets. "
-           "Policy fields (observation window) in brackets after the name.", ""]
+           "After a policy's name, in brackets: the fields set explicitly (--window, or in "
+           "its --policies entry); every other field has the policy's default. Settings, at "
+           "the end, lists each one's values.", ""]
   by_group = _by_group(rows)
   for group in sorted(by_group):
     group_rows = by_group[group]
@@ -98,23 +111,46 @@ def summary_markdown(rows: Iterable[dict], *, reused: int | None = None,
       lines.append("|---|" + "---|" * max(1, len(budgets)))
       cells = collections.defaultdict(list)
       for r in at:
-        cells[(r["policy"], _label(r["policy"], r.get("policy_fields") or {}),
-               r["budget"])].append(r)
-      labels = sorted({(p, l) for p, l, _ in cells}, key=lambda x: (x[0] != "full", x[1]))
-      for policy, label in labels:
+        cells[(r["policy"], label(r), r["budget"])].append(r)
+      labels = sorted({(p, l) for p, l, _ in cells}, key=_label_order)
+      for policy, name in labels:
         if policy == "full":
-          full = cells[(policy, label, None)]
+          full = cells[(policy, name, None)]
           text = f"{100 * _value(full):.0f}% ({len(full)})"
           lines.append("| **full** | " + " | ".join([text] * max(1, len(budgets))) + " |")
           continue
         out = []
         for b in budgets:
-          c = cells.get((policy, label, b))
+          c = cells.get((policy, name, b))
           out.append(f"{100 * _value(c):.0f}% ({len(c)})" if c else "–")
-        lines.append(f"| {label} | " + " | ".join(out) + " |")
+        lines.append(f"| {name} | " + " | ".join(out) + " |")
       lines.append("")
   lines += _depth_tables(by_group)
+  lines += settings_table(rows)
   return "\n".join(lines)
+
+
+def settings_table(rows: Iterable[dict]) -> list[str]:
+  """The "Settings" section: every setting each (policy, label) ran with, one table row each.
+
+  A label whose rows ran with different settings (rows of runs made under
+  other defaults) gets a table row per set of settings; rows written before
+  settings were recorded say "not recorded".
+  """
+  seen = collections.defaultdict(list)
+  for r in rows:
+    values = r.get("policy_settings")
+    if values not in seen[(r["policy"], label(r))]:
+      seen[(r["policy"], label(r))].append(values)
+  lines = ["## Settings", "",
+           "Every field of each policy as it ran: its defaults, with --window and the fields "
+           "of its --policies entry (the label's brackets) over them.", "",
+           "| policy | settings |", "|---|---|"]
+  for key in sorted(seen, key=_label_order):
+    for values in seen[key]:
+      text = policy_entries.settings_text(values).replace("|", "\\|")
+      lines.append(f"| {key[1]} | {text} |")
+  return lines + [""]
 
 
 def _depth_tables(by_group) -> list[str]:
@@ -125,11 +161,11 @@ def _depth_tables(by_group) -> list[str]:
     lengths = sorted({r["length"] for r in rows})
     if len(lengths) < 2:
       continue
-    configs = sorted({(r["policy"], r["budget"] or 0) for r in rows},
-                     key=lambda x: (x[0] != "full", x))
-    for policy, budget in configs:
-      mine = [r for r in rows if r["policy"] == policy and (r["budget"] or 0) == budget]
-      lines += [f"## {_group_title(group)}: {policy}"
+    configs = sorted({(r["policy"], label(r), r["budget"] or 0) for r in rows},
+                     key=lambda x: (x[0] != "full", x[1:]))
+    for _, text, budget in configs:
+      mine = [r for r in rows if label(r) == text and (r["budget"] or 0) == budget]
+      lines += [f"## {_group_title(group)}: {text}"
                 + (f" at budget {budget}" if budget else "") + ", depth × length", "",
                 "| depth | " + " | ".join(str(n) for n in lengths) + " |",
                 "|---|" + "---|" * len(lengths)]
@@ -151,15 +187,15 @@ def plot_heatmaps(rows: list[dict], out: pathlib.Path) -> list[pathlib.Path]:
     depths = sorted({r["depth"] for r in group_rows})
     lengths = sorted({r["length"] for r in group_rows})
     budgets = sorted({r["budget"] for r in group_rows if r["budget"] is not None}) or [None]
-    policies = sorted({r["policy"] for r in group_rows}, key=lambda p: (p != "full", p))
+    policies = sorted({(r["policy"], label(r)) for r in group_rows}, key=_label_order)
     for budget in budgets:
       fig, axes = plots.panels(len(policies), 1.2 / len(policies) + 0.55 * len(lengths) + 1,
                                1.2 + 0.35 * len(depths) + 0.6)
-      for ax, policy in zip(axes, policies):
+      for ax, (policy, text) in zip(axes, policies):
         grid = np.full((len(depths), len(lengths)), np.nan)
         for i, d in enumerate(depths):
           for j, n in enumerate(lengths):
-            cell = [r for r in group_rows if r["policy"] == policy and r["depth"] == d
+            cell = [r for r in group_rows if label(r) == text and r["depth"] == d
                     and r["length"] == n and (policy == "full" or r["budget"] == budget)]
             if cell:
               grid[i, j] = _value(cell)
@@ -171,7 +207,7 @@ def plot_heatmaps(rows: list[dict], out: pathlib.Path) -> list[pathlib.Path]:
         ax.set_xticks(range(len(lengths)), [f"{n // 1024}K" if n % 1024 == 0 else str(n)
                                             for n in lengths], fontsize=7)
         ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
-        ax.set_title(policy if policy == "full" else f"{policy}", fontsize=8)
+        ax.set_title(text, fontsize=8)
         ax.set_xlabel("prompt tokens", fontsize=7)
       axes[0].set_ylabel("needle depth", fontsize=7)
       fig.suptitle(f"{_group_title(group)}, " + (f"budget {budget}" if budget else "full cache"),
@@ -196,11 +232,11 @@ def plot_accuracy_vs_budget(rows: list[dict], out: pathlib.Path) -> list[pathlib
       at = [r for r in group_rows if r["length"] == length]
       by_config = collections.defaultdict(list)
       for r in at:
-        by_config[(r["policy"], r["budget"])].append(r)
+        by_config[(r["policy"], label(r), r["budget"])].append(r)
       series = collections.defaultdict(list)
-      for (policy, budget), cell in by_config.items():
+      for (policy, text, budget), cell in by_config.items():
         if policy != "full":
-          series[policy].append((budget, 100 * _value(cell)))
+          series[text].append((budget, 100 * _value(cell)))
       full = [r for r in at if r["policy"] == "full"]
       reference = {"full": 100 * _value(full)} if full else {}
       budgets = {b for points in series.values() for b, _ in points}

@@ -3,10 +3,11 @@
 A row's key is every field that changes what was computed (KEY_FIELDS): the
 model, the task, the dataset file and a hash of the sample's own content (so
 two datasets without ``id`` fields never share a key), the sample's id,
-length and depth, the policy with its fields (the observation window among
-them), the budget, the query mode, the prefill chunk, packed weights, the
-seed, the generation length and the metric. A resumed run reuses a row only
-under an equal key.
+length and depth, the policy with the fields set explicitly (``--window``'s
+and its entry's: two entries of one policy never share a key) and every
+setting it ran with (so a changed default runs the row again), the budget,
+the query mode, the prefill chunk, packed weights, the seed, the generation
+length and the metric. A resumed run reuses a row only under an equal key.
 
 Rows are appended whole: one write of one complete line, flushed and synced.
 A run killed mid-write can still leave a torn last line (no newline, or not
@@ -27,8 +28,8 @@ import tempfile
 from typing import Sequence
 
 KEY_FIELDS = ("model", "task", "dataset", "sample_sha256", "id", "length", "depth", "policy",
-              "policy_fields", "budget", "query_aware", "prefill_chunk", "packed", "seed",
-              "max_new_tokens", "metric")
+              "policy_fields", "policy_settings", "budget", "query_aware", "prefill_chunk",
+              "packed", "seed", "max_new_tokens", "metric")
 
 
 class ResultsError(ValueError):

@@ -1,14 +1,19 @@
 """Runs samples × policies × budgets through ``kvjax.generate_each`` into results.jsonl.
 
-One JSON row per (sample, policy, budget): what was asked, what came back,
-its score, the timings and the KV bytes allocated. A sample's runs share its
-prompt's forward pass (one-shot prefill), so each row's prefill_s counts that
-forward plus the row's own compression; shared_prefill_s is the shared forward
-(the same in each of the sample's rows), so prefill_s - shared_prefill_s is the
-row's own and a sum over rows adds the shared forward once per sample. Rows already in the file under the
-same key (``kvjax.eval.results``: the work a row records, the sample's content
-included) are reused, so an interrupted run resumes where it stopped and a
-different run never borrows another's rows. Greedy decoding and seeded
+One JSON row per (sample, policy entry, budget): what was asked, what came
+back, its score, the timings, the KV bytes allocated, and the policy's fields
+set explicitly (``policy_fields``) and every setting it ran with
+(``policy_settings``; ``kvjax.eval.policy_entries``). Each policy runs at its
+own defaults unless ``window`` or its entry's fields say otherwise.
+
+A sample's runs share its prompt's forward pass (one-shot prefill), so each
+row's prefill_s counts that forward plus the row's own compression;
+shared_prefill_s is the shared forward (the same in each of the sample's rows),
+so prefill_s - shared_prefill_s is the row's own and a sum over rows adds the
+shared forward once per sample. Rows already in the file under the same key
+(``kvjax.eval.results``: the work a row records, the sample's content and the
+policy's settings included) are reused, so an interrupted run resumes where it
+stopped and a different run never borrows another's rows. Greedy decoding and seeded
 prompts make a run deterministic for its seed.
 """
 
@@ -23,6 +28,7 @@ from typing import Sequence
 
 from kvjax import policies
 from kvjax.eval import metrics as metrics_lib
+from kvjax.eval import policy_entries
 from kvjax.eval import results as results_lib
 from kvjax.tasks import dataset as dataset_lib
 from kvjax.tasks import niah
@@ -46,7 +52,13 @@ class RunRows(list):
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-  """One evaluation run; the CLI's flags, one field each."""
+  """One evaluation run; the CLI's flags, one field each.
+
+  ``policies`` holds ``--policies`` entries, ``name[:field=value...]``
+  (``kvjax.eval.policy_entries``); ``window``, when nonzero, sets the
+  observation window (H2O: recent window) of every policy that has one, under
+  the fields an entry gives.
+  """
 
   model: str = "smollm2-135m-instruct"
   policies: tuple[str, ...] = ("full", "streaming_llm", "snapkv", "pyramidkv", "knorm",
@@ -59,7 +71,7 @@ class EvalConfig:
   num_samples: int = 0  # per (length, depth, haystack), or dataset rows; 0 = 1 / all rows
   seed: int = 0
   query_aware: bool = True
-  window: int = 16  # observation window (and H2O's recent window); 0 = each policy's default
+  window: int = 0  # observation window (and H2O's recent window) of all; 0 = each policy's own
   prefill_chunk: int = 0  # 0 = one-shot prefill
   backend: str = "auto"
   max_new_tokens: int = 0  # 0 = the task's own (synthetic) or the row's / 32 (dataset)
@@ -79,8 +91,6 @@ class EvalConfig:
                        f"got {self.metric!r}")
     if not self.policies:
       raise ValueError("--policies is empty")
-    if any(p != "full" for p in self.policies) and not self.budgets:
-      raise ValueError("--budgets is empty")
     for name, values, low in (("budgets", self.budgets, 1), ("lengths", self.lengths, 1)):
       if any(v < low for v in values):
         raise ValueError(f"--{name} must be positive, got {list(values)}")
@@ -89,11 +99,18 @@ class EvalConfig:
     for name in ("num_samples", "window", "prefill_chunk", "max_new_tokens"):
       if getattr(self, name) < 0:
         raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
-    for name in ("policies", "budgets", "haystacks", "lengths", "depths"):
+    for name in ("budgets", "haystacks", "lengths", "depths"):
       values = getattr(self, name)
       repeated = sorted({str(v) for v in values if values.count(v) > 1})
       if repeated:  # the same work twice would be counted twice
         raise ValueError(f"--{name} repeats {', '.join(repeated)}")
+    entries = self.entries()  # bad or repeated entries (the same work twice) raise here
+    if any(e.name != "full" for e in entries) and not self.budgets:
+      raise ValueError("--budgets is empty")
+
+  def entries(self) -> tuple[policy_entries.PolicyEntry, ...]:
+    """The ``policies`` entries parsed (ValueError for a bad or a repeated one)."""
+    return policy_entries.parse_all(self.policies, self.window)
 
 
 def make_samples(tokenizer, cfg: EvalConfig, max_tokens: int) -> list[Sample]:
@@ -137,23 +154,58 @@ def check_unique_ids(samples: Sequence[Sample]) -> None:
     raise ValueError(f"samples share ids: {'; '.join(repeated)}")
 
 
-def _jobs(cfg: EvalConfig, samples: Sequence[Sample]):
-  """(policy, fields, budget, sample) to run, full cache once per sample."""
-  for policy in cfg.policies:
-    fields = policies.window_fields(policy, cfg.window)
-    for budget in ([None] if policy == "full" else cfg.budgets):
+@dataclasses.dataclass(frozen=True)
+class PolicyRun:
+  """A policy entry as the run uses it.
+
+  Attributes:
+    name: the policy's name.
+    fields: the fields set explicitly (``--window``'s and the entry's): the
+      row's ``policy_fields``, part of its key and its label.
+    policy: the policy, bound to the model's tokenizer.
+    settings: every field of ``policy`` with its value (``policy_settings``).
+  """
+
+  name: str
+  fields: dict
+  policy: policies.Policy
+  settings: dict
+
+  @property
+  def label(self) -> str:
+    return policy_entries.label(self.name, self.fields)
+
+
+def policy_runs(cfg: EvalConfig, tokenizer) -> list[PolicyRun]:
+  """The run's policies, bound to ``tokenizer``, in ``--policies`` order."""
+  out = []
+  for entry in cfg.entries():
+    fields = entry.run_fields(cfg.window)
+    policy = entry.make(cfg.window).bind(tokenizer)
+    out.append(PolicyRun(entry.name, fields, policy, policy_entries.settings(policy, fields)))
+  return out
+
+
+def _jobs(cfg: EvalConfig, runs: Sequence[PolicyRun], samples: Sequence[Sample]):
+  """(policy run, budget, sample) to run, full cache once per sample."""
+  for run_ in runs:
+    for budget in ([None] if run_.name == "full" else cfg.budgets):
       for sample in samples:
-        yield policy, fields, budget, sample
+        yield run_, budget, sample
 
 
-def _check_runs(cfg: EvalConfig) -> None:
+def _check_runs(cfg: EvalConfig, runs: Sequence[PolicyRun]) -> None:
   """Every (policy, budget) of the run is one the policy can honour, before any work."""
-  for name in cfg.policies:
-    policy = policies.get(name, **policies.window_fields(name, cfg.window))
-    for budget in ([None] if name == "full" else cfg.budgets):
-      policy.validate(budget)
-    if cfg.prefill_chunk:
-      policy.check_chunk(cfg.prefill_chunk)
+  for run_ in runs:
+    try:
+      for budget in ([None] if run_.name == "full" else cfg.budgets):
+        run_.policy.validate(budget)
+      if cfg.prefill_chunk:
+        run_.policy.check_chunk(cfg.prefill_chunk)
+    except ValueError as e:
+      if not run_.fields:
+        raise
+      raise ValueError(f"{run_.label}: {e}") from None
 
 
 def run(cfg: EvalConfig, out: str | pathlib.Path, *, progress: bool = True,
@@ -189,7 +241,8 @@ def run(cfg: EvalConfig, out: str | pathlib.Path, *, progress: bool = True,
   path = out / "results.jsonl"
   if lm is None:
     lm = kvjax.load(cfg.model, packed=cfg.packed)
-  _check_runs(cfg)
+  runs = policy_runs(cfg, lm.tokenizer)
+  _check_runs(cfg, runs)
   if cfg.mesh:  # a mesh that cannot split the model fails here, before any work
     kvjax.sharding.check_mesh(_mesh(cfg.mesh), lm.config)
   samples = make_samples(lm.require_tokenizer("the task's prompts"), cfg,
@@ -203,7 +256,7 @@ def run(cfg: EvalConfig, out: str | pathlib.Path, *, progress: bool = True,
   digests = {id(s): results_lib.sample_sha256(s.context, s.question, s.answers, s.all_classes)
              for s in samples}
   heads = [(_row_head(cfg, *job, dataset=dataset, digest=digests[id(job[-1])]), job)
-           for job in _jobs(cfg, samples)]
+           for job in _jobs(cfg, runs, samples)]
   reused = {i for i, (row, _) in enumerate(heads) if results_lib.row_key(row) in done}
   rows = [done[results_lib.row_key(row)] if i in reused else row
           for i, (row, _) in enumerate(heads)]
@@ -235,12 +288,12 @@ def run(cfg: EvalConfig, out: str | pathlib.Path, *, progress: bool = True,
 
 def _run_sample(lm, cfg: EvalConfig, group, sample: Sample, index: int) -> list[dict]:
   """The result fields of each of a sample's runs; a failure is re-raised naming them."""
-  runs = [(policies.get(policy, **fields), budget) for _, (policy, fields, budget, _) in group]
+  runs = [(run_.policy, budget) for _, (run_, budget, _) in group]
   try:
     return list(_generate(lm, cfg, runs, sample))
   except Exception as e:  # any failure: the user needs to know which sample and runs
-    names = ", ".join(name if budget is None else f"{name} at budget {budget}"
-                      for _, (name, _, budget, _) in group)
+    names = ", ".join(run_.label if budget is None else f"{run_.label} at budget {budget}"
+                      for _, (run_, budget, _) in group)
     raise EvalError(f"{describe_sample(sample, cfg, index)} under {names}: "
                     f"{type(e).__name__}: {e}") from e
 
@@ -254,13 +307,14 @@ def describe_sample(sample: Sample, cfg: EvalConfig, index: int) -> str:
           f"depth {sample.depth:g}, {sample.haystack} haystack)")
 
 
-def _row_head(cfg, policy, fields, budget, sample: Sample, *, dataset: str | None,
+def _row_head(cfg, run_: PolicyRun, budget, sample: Sample, *, dataset: str | None,
               digest: str) -> dict:
   """The fields a row has before it runs: its key (results.KEY_FIELDS) and descriptions."""
   return {
       "model": cfg.model, "task": sample.task, "haystack": sample.haystack,
       "dataset": dataset, "sample_sha256": digest,
-      "id": sample.id, "policy": policy, "policy_fields": fields, "budget": budget,
+      "id": sample.id, "policy": run_.name, "policy_fields": run_.fields,
+      "policy_settings": run_.settings, "budget": budget,
       "length": sample.target_tokens or length_bucket(sample.num_tokens),
       "prompt_tokens": sample.num_tokens, "depth": sample.depth, "query_aware": cfg.query_aware,
       "prefill_chunk": cfg.prefill_chunk, "packed": cfg.packed, "seed": cfg.seed,
