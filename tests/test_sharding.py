@@ -212,7 +212,7 @@ def test_eval_cli_splits_the_kv_heads_over_a_mesh(tmp_path):
   (the eval runs one sample at a time) is refused on one line, exit 2."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=3",
              JAX_PLATFORMS="cpu")
-  args = [sys.executable, "-m", "kvjax.eval", "--policies=full,snapkv", "--budgets=64",
+  args = [sys.executable, "-m", "kvjax.eval", "--policies=full,snapkv", "--window=16", "--budgets=64",
           "--lengths=320", "--depths=0.5", "--haystacks=repeat"]
   done = subprocess.run(args + ["--mesh=model:3", f"--out={tmp_path}/a"], env=env,
                         capture_output=True, text=True, timeout=600)
