@@ -66,6 +66,11 @@ def _value(rows: list[dict]) -> float:
   return float(np.mean([r["score"] for r in rows]))
 
 
+def cell_text(rows: list[dict]) -> str:
+  """A table cell: ``"85% (20)"``, the accuracy of ``rows`` and their count."""
+  return f"{100 * _value(rows):.0f}% ({len(rows)})"
+
+
 def label(row: dict) -> str:
   """The row's policy and the fields set explicitly: ``sablock (window=8)``."""
   return policy_entries.label(row["policy"], row.get("policy_fields"))
@@ -116,13 +121,13 @@ def summary_markdown(rows: Iterable[dict], *, reused: int | None = None,
       for policy, name in labels:
         if policy == "full":
           full = cells[(policy, name, None)]
-          text = f"{100 * _value(full):.0f}% ({len(full)})"
+          text = cell_text(full)
           lines.append("| **full** | " + " | ".join([text] * max(1, len(budgets))) + " |")
           continue
         out = []
         for b in budgets:
           c = cells.get((policy, name, b))
-          out.append(f"{100 * _value(c):.0f}% ({len(c)})" if c else "–")
+          out.append(cell_text(c) if c else "–")
         lines.append(f"| {name} | " + " | ".join(out) + " |")
       lines.append("")
   lines += _depth_tables(by_group)
@@ -173,7 +178,7 @@ def _depth_tables(by_group) -> list[str]:
         cells = []
         for n in lengths:
           c = [r for r in mine if r["depth"] == d and r["length"] == n]
-          cells.append(f"{100 * _value(c):.0f}% ({len(c)})" if c else "–")
+          cells.append(cell_text(c) if c else "–")
         lines.append(f"| {d:.0%} | " + " | ".join(cells) + " |")
       lines.append("")
   return lines

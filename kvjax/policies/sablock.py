@@ -19,9 +19,9 @@ always kept and its queries score the rest. Per layer:
      R(b) >= (1 - epsilon) R(1) wins: coarse blocks where they cost little,
      single tokens where the budget is tight;
   5. exactly ``budget`` entries per KV head: what rounding to blocks of b left
-     (less than b) goes as the best whole blocks of the remaining prefix,
-     largest first (b/2, b/4, ...): one entry at most is a lone token while
-     such blocks are free.
+     goes as the best free whole blocks of the prefix, largest first
+     (max_block, ..., 2, 1; at most need // b of each size): one entry at most
+     is a lone token while such blocks are free.
 
 Parameters:
   window         16                  observation window, always kept (measured: docs/methods.md)
