@@ -324,7 +324,10 @@ def test_ctrl_c_ends_the_eval_with_130(tmp_path):
   proc = subprocess.Popen(
       [sys.executable, "-m", "kvjax.eval", f"--out={out}", "--policies=full,streaming_llm",
        "--budgets=64", "--lengths=256", "--haystacks=repeat", "--depths=0.2,0.8", "--num_samples=10",
-       "--max_new_tokens=4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+       "--max_new_tokens=4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      # A shell's background job starts with SIGINT ignored, and Python keeps an
+      # ignored SIGINT ignored: the child gets the default back, as at a terminal.
+      preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
   deadline = time.monotonic() + 300
   results = out / "results.jsonl"
   while not (results.exists() and results.read_text()) and proc.poll() is None:
