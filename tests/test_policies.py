@@ -63,7 +63,8 @@ class TestRegistry:
         "paged_eviction": ["page_size", "variant", "per_head", "candidates", "window"],
         "sablock": window + ["delimiter_ids", "max_segment", "min_segment", "gamma", "epsilon",
                              "max_block"],
-        "dynsplit_kv": window + ["delimiter_ids", "chunk", "delta", "alpha", "shared_split"]}
+        "dynsplit_kv": window + ["delimiter_ids", "chunk", "delta", "alpha", "shared_split"],
+        "adakv": ["inner", "floor", "window"]}
     assert policies.get("snapkv", window=16).window == 16
     assert policies.get(policies.get("snapkv"), window=16) == policies.get("snapkv", window=16)
     with pytest.raises(ValueError, match="unknown policy 'snap'"):

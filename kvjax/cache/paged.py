@@ -2,7 +2,8 @@
 
 A page holds ``page_size`` consecutive slots of a single (sequence, layer, KV
 head). Each head owns at most ``capacity[l][k] // page_size`` pages; the pool
-holds exactly the pages the capacities need, so a smaller budget is a smaller
+holds exactly the pages the capacities need (fewer for a policy whose heads
+share a layer's budget unevenly: AdaKV), so a smaller budget is a smaller
 pool (real memory, not a mask). Pages are taken from a free stack when a head
 grows past a page boundary and are given back when a policy frees them.
 
@@ -99,6 +100,7 @@ class PagedKVCache:
       head_dim: int,
       page_size: int = 16,
       dtype=jnp.float32,
+      pages_per_sequence: int | None = None,
   ) -> "PagedKVCache":
     """An empty cache.
 
@@ -110,6 +112,10 @@ class PagedKVCache:
       num_layers, num_kv_heads, head_dim: L, K, H.
       page_size: S_page, slots per page.
       dtype: dtype of keys and values.
+      pages_per_sequence: the pool's pages per sequence; None: exactly what
+        the capacities need. Fewer suit a policy that bounds its heads' total
+        below the sum of their capacities (AdaKV: one budget per layer, shared
+        unevenly by its heads); the caller guarantees the heads never need more.
     """
     if not isinstance(page_size, int) or page_size <= 0:
       raise ValueError(f"page_size must be a positive int, got {page_size!r}")
@@ -122,9 +128,15 @@ class PagedKVCache:
           raise ValueError(
               f"capacity of layer {l}, KV head {k} is {c}: it must be a "
               f"positive multiple of page_size {page_size}")
-    pages_per_seq = sum(c // page_size for row in cap for c in row)
-    num_pages = batch_size * pages_per_seq
+    needed = sum(c // page_size for row in cap for c in row)
     p_max = max(c for row in cap for c in row) // page_size
+    if pages_per_sequence is None:
+      pages_per_sequence = needed
+    elif (not isinstance(pages_per_sequence, int) or isinstance(pages_per_sequence, bool)
+          or not p_max <= pages_per_sequence <= needed):
+      raise ValueError(f"pages_per_sequence must be an int in [{p_max}, {needed}] (a head's "
+                       f"pages, every head's), got {pages_per_sequence!r}")
+    num_pages = batch_size * pages_per_sequence
     arrays = _empty_arrays(num_pages, page_size, head_dim, jnp.dtype(dtype),
                            (batch_size, num_layers, num_kv_heads, p_max))
     return cls(**arrays, page_size=page_size, capacity=cap)

@@ -149,6 +149,9 @@ def text(value: Any) -> str:
     return "true" if value else "false"
   if isinstance(value, (list, tuple)):
     return "(" + ", ".join(text(v) for v in value) + ")"
+  if isinstance(value, Mapping) and "name" in value:  # a wrapped policy's settings
+    fields = {k: v for k, v in value.items() if k != "name"}
+    return f"{value['name']}[{settings_text(fields)}]"
   return str(value)
 
 
@@ -164,7 +167,8 @@ def settings(policy: policies.Policy, given: Iterable[str] = ()) -> dict:
 
   Delimiter ids taken from the tokenizer (not among ``given``) are recorded as
   their count, ``"tokenizer (57 ids)"``, not as the long list; other tuples
-  become lists (JSON).
+  become lists (JSON); a wrapped policy (AdaKV's ``inner``) becomes its name
+  and settings.
   """
   given = set(given)
   out = {}
@@ -172,6 +176,8 @@ def settings(policy: policies.Policy, given: Iterable[str] = ()) -> dict:
     value = getattr(policy, field.name)
     if field.name == "delimiter_ids" and field.name not in given:
       value = f"tokenizer ({len(value)} ids)"
+    elif isinstance(value, policies.Policy):
+      value = {"name": value.name, **settings(value)}
     elif isinstance(value, tuple):
       value = list(value)
     out[field.name] = value

@@ -86,10 +86,13 @@ def plan_run(lm: LanguageModel, batch: Batch, policy: policies_lib.Policy, budge
   """The plan of one run (``recorded``: the shared forward pass, if the runs share one)."""
   cfg = lm.config
   budgets = policy.layer_budgets(budget, batch.prompt_len, cfg.num_layers)
-  capacity = policy.capacity(
-      budget=budget, prompt_len=batch.prompt_len, extra_tokens=batch.question_len,
-      max_new_tokens=options.max_new_tokens, page_size=options.page_size,
-      num_layers=cfg.num_layers)
+  capacity, pages = policy.cache_layout(
+      cfg.num_kv_heads, budget=budget, prompt_len=batch.prompt_len,
+      extra_tokens=batch.question_len, max_new_tokens=options.max_new_tokens,
+      page_size=options.page_size, num_layers=cfg.num_layers)
+  if pages is not None and options.mesh is not None:
+    raise ValueError(f"policy {policy.name!r} splits each layer's budget across all its KV "
+                     "heads, which a device mesh holds apart; run it on one device")
   if options.prefill_chunk:  # never more than the whole prompt (the full policy keeps it all)
     whole = round_up(batch.prompt_len + batch.question_len + options.max_new_tokens,
                      options.page_size)
@@ -103,7 +106,8 @@ def plan_run(lm: LanguageModel, batch: Batch, policy: policies_lib.Policy, budge
   new_cache = functools.partial(
       create, batch_size=batch.size, capacity=capacity,
       num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-      page_size=options.page_size, dtype=lm.dtype)
+      page_size=options.page_size, dtype=lm.dtype,
+      **({} if pages is None else dict(pages_per_sequence=pages)))
   statics = _statics(options, graphdef=lm.graphdef, policy=policy, budget=budget,
                      budgets=budgets, backend=options.backend)
   return RunPlan(policy, budget, budgets, capacity, limit,

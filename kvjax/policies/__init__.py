@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvjax.policies.adakv import AdaKV
 from kvjax.policies.base import Full
 from kvjax.policies.base import Policy
 from kvjax.policies.chunkkv import ChunkKV
@@ -28,7 +29,7 @@ from kvjax.policies.streaming_llm import StreamingLLM
 _REGISTRY: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (Full, StreamingLLM, SnapKV, PyramidKV, KNorm, H2O, ChunkKV, SentenceKV,
-                PagedEviction, SABlock, DynSplitKV)
+                PagedEviction, SABlock, DynSplitKV, AdaKV)
 }
 
 
@@ -91,6 +92,7 @@ def get(name: str | Policy, **fields) -> Policy:
 
 
 __all__ = [
+    "AdaKV",
     "ChunkKV",
     "DynSplitKV",
     "Full",

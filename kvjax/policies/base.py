@@ -121,6 +121,16 @@ class Policy:
     grow = 0 if self.evicts_during_decode else max_new_tokens
     return tuple(round_up(b + extra_tokens + grow, page_size) for b in budgets)
 
+  def cache_layout(self, num_kv_heads: int, **sizes) -> tuple[tuple[int, ...], int | None]:
+    """(slots per KV head of each layer, the pool's pages per sequence) of a run's cache.
+
+    ``sizes`` are ``capacity``'s arguments. The default gives every head its
+    capacity and the pool every head's pages (None); a policy whose heads share
+    a layer's budget (AdaKV) sizes both from the number of KV heads.
+    """
+    del num_kv_heads
+    return self.capacity(**sizes), None
+
   @property
   def needs_every_layer(self) -> bool:
     """Its prefill needs every layer's q and k before any layer keeps (``select_recorded``)."""

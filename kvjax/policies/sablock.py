@@ -123,7 +123,7 @@ class SABlock(DelimiterFields, WindowFields, Policy):
     guided = jnp.where(prefix[:, None], s + self.gamma * jnp.where(
         jnp.isfinite(seg_mean), seg_mean, 0.0), 0.0)  # s' [B, K, T]
     size = selection.per_segment_sum(prefix.astype(jnp.float32), seg).astype(jnp.int32)  # [B, T_seg]
-    room = (budget - window.sum(-1))[:, None]  # [B, 1]
+    room = budget - window.sum(-1)[:, None]  # [B, 1], or [B, K] for per-head budgets (AdaKV)
 
     # Whole segments by mean s' while they fit; the first that does not is the partial one.
     mean = jnp.where(size[:, None] > 0, selection.per_segment_sum(guided, seg) /

@@ -22,7 +22,8 @@ def keep_top(scores: jax.Array, budget, max_budget: int) -> jax.Array:
   Args:
     scores: [B, K, T] float32; -inf marks tokens that must not be kept (padding).
       NaN scores rank lowest, so they never displace a real score.
-    budget: kept entries per head, an int or a traced scalar <= max_budget.
+    budget: kept entries per head <= max_budget: an int, a traced scalar, or
+      one per head, [B, K] (``head_budgets``) or [B, K, 1].
     max_budget: static upper bound of ``budget``.
 
   Returns:
@@ -32,11 +33,45 @@ def keep_top(scores: jax.Array, budget, max_budget: int) -> jax.Array:
   k = min(max_budget, t)
   clean = jnp.where(jnp.isnan(scores), -jnp.inf, scores)
   values, index = jax.lax.top_k(clean, k)  # [B, K, k]
-  take = (jnp.arange(k) < budget) & (values > -jnp.inf)
+  take = (jnp.arange(k) < _per_head(budget)) & (values > -jnp.inf)
   keep = jnp.zeros(scores.shape, bool)
   b_idx = jnp.arange(scores.shape[0])[:, None, None]
   h_idx = jnp.arange(scores.shape[1])[None, :, None]
   return keep.at[b_idx, h_idx, index].max(take)
+
+
+def _per_head(budget):
+  """A budget broadcastable against [B, K, n]: one per head [B, K] gains an axis."""
+  budget = jnp.asarray(budget)
+  return budget[..., None] if budget.ndim == 2 else budget
+
+
+def head_budgets(scores: jax.Array, total, floor, max_total: int) -> jax.Array:
+  """Splits a layer's ``total`` entries across its KV heads where the scores concentrate (AdaKV).
+
+  Every head first takes its ``floor`` best tokens; the rest of ``total`` goes
+  to the best remaining scores of all the layer's heads at once, so a head
+  whose attention concentrates on few tokens gives entries to one whose
+  attention is spread. Scores must be comparable across heads (attention
+  weights are: each query's sum to one).
+
+  Args:
+    scores: [B, K, T]; -inf (or NaN) marks tokens that must not be kept.
+    total: entries of the layer, an int or a traced scalar <= ``max_total``.
+    floor: entries every head keeps at least, an int or a traced scalar
+      (K * floor <= total).
+    max_total: static upper bound of ``total``.
+
+  Returns:
+    int32 [B, K]: each head's budget, summing to ``total`` (fewer where the
+    prompt has fewer tokens to keep).
+  """
+  b, kh, t = scores.shape
+  clean = jnp.where(jnp.isnan(scores), -jnp.inf, scores)
+  first = keep_top(clean, floor, min(max_total, t))
+  rest = jnp.where(first, -jnp.inf, clean).reshape(b, 1, kh * t)
+  extra = keep_top(rest, total - kh * floor, max_total).reshape(b, kh, t)
+  return (first | extra).sum(-1, dtype=jnp.int32)
 
 
 def slots_from_keep(keep: jax.Array) -> jax.Array:
@@ -144,7 +179,7 @@ def fill_to_budget(chosen: jax.Array, scores: jax.Array, valid: jax.Array, budge
     scores: [B, K, T] ranking (higher first); a NaN score ranks below every
       number but may still fill the budget.
     valid: bool [B, T] (or [B, K, T]) tokens that may be kept.
-    budget: kept entries per head (int or traced scalar <= max_budget).
+    budget: kept entries per head <= max_budget (as ``keep_top``'s).
 
   Returns:
     bool [B, K, T]: ``budget`` per head, or every valid token when fewer exist.
@@ -156,7 +191,7 @@ def fill_to_budget(chosen: jax.Array, scores: jax.Array, valid: jax.Array, budge
   chosen = chosen & keep_top(ranked, budget, max_budget)
   rest = jnp.where(chosen | ~valid, -jnp.inf, scores)
   rest = jnp.where(jnp.isnan(rest), jnp.finfo(jnp.float32).min, rest)
-  need = budget - chosen.sum(-1, keepdims=True)
+  need = _per_head(budget) - chosen.sum(-1, keepdims=True)
   return chosen | keep_top(rest, need, max_budget)
 
 
