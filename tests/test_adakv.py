@@ -165,3 +165,7 @@ def test_rows_record_the_wrapped_policy():
   assert values["inner"]["name"] == "sablock" and values["inner"]["window"] == 8
   assert policy_entries.settings_text(values).startswith(
       "inner=sablock[window=8, kernel=5, group=mean, delimiter_ids=tokenizer (0 ids), ")
+  entry = policy_entries.parse("adakv:inner=sablock:window=8")
+  assert entry.make(0) == policies.get("adakv", inner="sablock", window=8)
+  with pytest.raises(ValueError, match="unknown policy 'sablok'"):
+    policy_entries.parse("adakv:inner=sablok")

@@ -72,8 +72,8 @@ def _fit(entry: str, name: str, field: dataclasses.Field, raw: str) -> Any:
   if default is dataclasses.MISSING:
     return value
   kind = type(default)
-  if kind is str:
-    return raw  # "group=1" means the text "1"
+  if kind is str or isinstance(default, policies.Policy):
+    return raw  # "group=1" means the text "1"; a wrapped policy is given by name
   if kind is bool and isinstance(value, bool):
     return value
   if kind is int and isinstance(value, int) and not isinstance(value, bool):

@@ -75,9 +75,13 @@ def window_fields(name: str, window: int) -> dict:
 def get(name: str | Policy, **fields) -> Policy:
   """A policy by name, with hyper-parameters as keyword fields.
 
+  A wrapped policy's field (AdaKV's ``inner``) may be given by name.
+
   Raises:
     ValueError: unknown name or unknown field.
   """
+  if isinstance(fields.get("inner"), str):
+    fields["inner"] = get(fields["inner"])
   if isinstance(name, Policy):
     return dataclasses.replace(name, **fields) if fields else name
   if name not in _REGISTRY:

@@ -45,6 +45,7 @@ from kvjax.cache.paged import round_up
 from kvjax.policies import selection
 from kvjax.policies.base import Full
 from kvjax.policies.base import Policy
+from kvjax.policies.snapkv import SnapKV
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,15 +54,15 @@ class AdaKV(Policy):
 
   name: ClassVar[str] = "adakv"
   chunked_prefill: ClassVar[bool] = False
-  inner: str | Policy = "snapkv"
+  inner: Policy = SnapKV()  # kvjax.policies.get takes its name too: get("adakv", inner="sablock")
   floor: float = 0.2
   window: int = 0  # the inner policy's observation window; 0 = its own
 
   def __post_init__(self):
-    from kvjax import policies  # the registry imports this module
-    inner = policies.get(self.inner) if isinstance(self.inner, str) else self.inner
+    inner = self.inner
     if not isinstance(inner, Policy):
-      raise ValueError(f"policy 'adakv': inner must be a policy or its name, got {inner!r}")
+      raise ValueError(f"policy 'adakv': inner must be a policy (kvjax.policies.get takes "
+                       f"its name), got {inner!r}")
     self._check_int("window", 0)
     if self.window:
       if "window" not in {f.name for f in dataclasses.fields(inner)}:
