@@ -25,10 +25,12 @@ A budget's caches, one per press, then decode as one batch, greedily, until
 every row has stopped (the tokenizer's stop ids) or has the sample's
 max_new_tokens; query-agnostic rows first read the question, positions
 continuing after the context. Rows carry the eval's fields, with policy
-``kvpress_<press>`` and the press's fields as policy_settings; transformers'
-uncompressed cache gives rows with policy ``full`` (compare_runs.py takes the
-full cache from its first run, so list kvjax's runs first). A rerun skips the
-samples whose rows are all in --out/results.jsonl.
+``kvpress_<press>``, the press's fields as policy_settings and kv_bytes the
+kept entries' float32 keys and values after compression. transformers'
+uncompressed cache gives rows with policy ``full`` (one decode, written for
+both modes; compare_runs.py takes the full cache from its first run, so list
+kvjax's runs first). A rerun skips the samples whose rows are all in
+--out/results.jsonl.
 """
 
 import dataclasses
