@@ -129,34 +129,44 @@ CONFIG = kvjax.LlamaConfig(
     rope_theta=500.0)
 
 
-def test_generate_holds_each_layers_budget_in_a_smaller_pool():
+@pytest.mark.parametrize("budget", [26, 32])  # budget + steps: whole pages, or not
+def test_generate_splits_the_inner_policys_pages(budget):
   lm = kvjax.init_random(CONFIG, seed=3)
   prompt = np.random.default_rng(0).integers(0, 97, 120).tolist()
-  budget, steps, ps = 32, 6, 16
+  steps, ps = 6, 16
   policy = policies.get("adakv", inner=policies.get("snapkv", window=8))
   result = kvjax.generate(lm, [prompt], policy=policy, budget=budget, max_new_tokens=steps,
                           stop_ids=[], page_size=ps)
-  cache = result.cache
-  lengths = np.asarray(cache.lengths)[0]  # [L, K]: kept entries + the steps - 1 appended
-  assert (lengths.sum(-1) == 2 * (budget + steps - 1)).all()
-  floor = policy.head_floor(budget)
-  assert (lengths >= floor).all() and (lengths <= 2 * budget - floor + steps).all()
-  kept = np.asarray(cache.kept_positions())[0]  # [L, K, S]
-  for l in range(3):
-    for h in range(2):
-      positions = kept[l, h][kept[l, h] >= 0]
-      assert len(set(positions.tolist())) == lengths[l, h]
-      assert set(range(112, 120)) <= set(positions.tolist())  # the window, in every head
-  # The pool holds the layer's 2 x (budget + steps) entries, plus a page per head.
-  capacity, pages = policy.cache_layout(2, budget=budget, prompt_len=120, extra_tokens=0,
-                                        max_new_tokens=steps, page_size=ps, num_layers=3)
-  floor = policy.head_floor(budget)  # 8, the window
-  assert capacity == (-(-(2 * budget - floor + steps) // ps) * ps,) * 3
-  assert pages == 3 * ((2 * (budget + steps) + 2 * (ps - 1)) // ps)
-  assert cache.num_pages == pages
   snap = kvjax.generate(lm, [prompt], policy=policies.get("snapkv", window=8), budget=budget,
                         max_new_tokens=steps, stop_ids=[], page_size=ps)
-  assert cache.kv_bytes <= snap.cache.kv_bytes + 3 * 2 * ps * 16 * 4 * 2
+  cache = result.cache
+  assert cache.kv_bytes == snap.cache.kv_bytes and cache.num_pages == snap.cache.num_pages
+  head_pages = -(-(budget + steps) // ps)  # 2 at budget 26, 3 at 32
+  lengths = np.asarray(cache.lengths)[0]  # [L, K]: kept entries + the steps - 1 appended
+  kept = lengths - (steps - 1)
+  assert (kept.sum(-1) == 2 * (head_pages * ps - steps)).all()  # 2 x 26 = 52; 2 x 42 = 84
+  assert ((kept + steps) % ps == 0).all()  # each head in whole pages
+  assert (kept >= ps - steps).all()  # the floor (the window, 8) rounded up to a page
+  positions = np.asarray(cache.kept_positions())[0]  # [L, K, S]
+  for l in range(3):
+    for h in range(2):
+      row = positions[l, h][positions[l, h] >= 0]
+      assert len(set(row.tolist())) == lengths[l, h]
+      assert set(range(112, 120)) <= set(row.tolist())  # the window, in every head
+  capacity, pages = policy.cache_layout(2, budget=budget, prompt_len=120, extra_tokens=0,
+                                        max_new_tokens=steps, page_size=ps, num_layers=3)
+  assert capacity == ((2 * head_pages - 1) * ps,) * 3 and pages == 3 * 2 * head_pages
+
+
+def test_whole_pages_rounds_to_the_layers_pages():
+  # Pages of 16, 6 entries taken after prefill, 4 pages: 64 - 2 x 6 = 52 entries.
+  tokens = np.array([[30, 22], [26, 26], [10, 42], [20, 20]], np.int32)
+  budgets = np.asarray(selection.whole_pages(tokens, 4, 16, 6))
+  # 36 + 28 slots: the second needs more of a page (12 of 16) and gets it.
+  np.testing.assert_array_equal(budgets, [[26, 26], [26, 26], [10, 42], [26, 26]])
+  np.testing.assert_array_equal(((budgets + 6) // 16).sum(-1), [4, 4, 4, 4])
+  tokens = np.array([[31, 21]], np.int32)  # 37 + 27 slots: the first, 5 of 16, loses
+  np.testing.assert_array_equal(selection.whole_pages(tokens, 4, 16, 6), [[26, 26]])
 
 
 def test_rows_record_the_wrapped_policy():
@@ -169,3 +179,6 @@ def test_rows_record_the_wrapped_policy():
   assert entry.make(0) == policies.get("adakv", inner="sablock", window=8)
   with pytest.raises(ValueError, match="unknown policy 'sablok'"):
     policy_entries.parse("adakv:inner=sablok")
+  assert "page_size" not in values and "grow" not in values  # the cache's, set by generation
+  with pytest.raises(ValueError, match="page_size follow the cache's sizes"):
+    policy_entries.parse("adakv:page_size=16")

@@ -85,14 +85,17 @@ def plan_run(lm: LanguageModel, batch: Batch, policy: policies_lib.Policy, budge
              options: Options, recorded: Recorded | None) -> RunPlan:
   """The plan of one run (``recorded``: the shared forward pass, if the runs share one)."""
   cfg = lm.config
+  policy = policy.for_cache(page_size=options.page_size,
+                            grow=batch.question_len + options.max_new_tokens)
   budgets = policy.layer_budgets(budget, batch.prompt_len, cfg.num_layers)
   capacity, pages = policy.cache_layout(
       cfg.num_kv_heads, budget=budget, prompt_len=batch.prompt_len,
       extra_tokens=batch.question_len, max_new_tokens=options.max_new_tokens,
       page_size=options.page_size, num_layers=cfg.num_layers)
-  if pages is not None and options.mesh is not None:
-    raise ValueError(f"policy {policy.name!r} splits each layer's budget across all its KV "
-                     "heads, which a device mesh holds apart; run it on one device")
+  per_head = pages is not None or any(not isinstance(c, int) for c in capacity)
+  if per_head and options.mesh is not None:
+    raise ValueError(f"policy {policy.name!r} gives its KV heads budgets of their own, which "
+                     "a device mesh holding the heads apart cannot size; run it on one device")
   if options.prefill_chunk:  # never more than the whole prompt (the full policy keeps it all)
     whole = round_up(batch.prompt_len + batch.question_len + options.max_new_tokens,
                      options.page_size)

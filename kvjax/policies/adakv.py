@@ -21,8 +21,11 @@ Parameters:
 
 Unlike kvpress's AdaKVPress, which masks the evicted entries of a cache that
 keeps every head at its longest, kvjax gives each head the pages its own
-budget needs: the pool holds the layer's K x budget entries (plus up to one
-partly filled page per head), not K x the largest head.
+budget needs, in whole pages: a layer's heads share exactly the pages the
+inner policy alone would give them (K x ceil((budget + grow) / page) for
+``grow`` entries appended after prefill), so both hold the same KV bytes. Its
+heads' budgets sum to what those pages hold, K x budget when budget + grow
+fills whole pages (``selection.whole_pages``).
 
 Ours where the paper is silent: the inner policy's scores are compared across
 heads as they come (SnapKV's and SABlock's are attention weights, which sum to
@@ -45,6 +48,7 @@ from kvjax.cache.paged import round_up
 from kvjax.policies import selection
 from kvjax.policies.base import Full
 from kvjax.policies.base import Policy
+from kvjax.policies.base import sized_field
 from kvjax.policies.snapkv import SnapKV
 
 
@@ -57,6 +61,8 @@ class AdaKV(Policy):
   inner: Policy = SnapKV()  # kvjax.policies.get takes its name too: get("adakv", inner="sablock")
   floor: float = 0.2
   window: int = 0  # the inner policy's observation window; 0 = its own
+  page_size: int = sized_field()  # the cache's (for_cache); 0: one slot per page
+  grow: int = sized_field()  # entries each head takes after prefill (for_cache)
 
   def __post_init__(self):
     inner = self.inner
@@ -93,6 +99,9 @@ class AdaKV(Policy):
   def layer_budgets(self, budget, prompt_len, num_layers):
     return self.inner.layer_budgets(budget, prompt_len, num_layers)
 
+  def for_cache(self, *, page_size, grow):
+    return dataclasses.replace(self, page_size=page_size, grow=grow)
+
   def head_floor(self, budget):
     """Entries every head keeps at least (an int, or a traced scalar for a traced budget)."""
     share = self.floor * budget
@@ -108,21 +117,28 @@ class AdaKV(Policy):
 
   def cache_layout(self, num_kv_heads, *, budget, prompt_len, extra_tokens, max_new_tokens,
                    page_size, num_layers):
-    """A head may take its layer's budget less every other head's floor; the pool holds
-    the pages K heads with K x budget entries, each then adding ``grow``, can fill:
-    head h fills ceil((n_h + grow) / S) pages, at most (K (budget + grow) + K (S - 1)) / S
-    over the layer's heads as sum n_h <= K x budget."""
-    k, grow = num_kv_heads, extra_tokens + max_new_tokens
+    """The pool holds the inner policy's pages; a head may take all of its layer's
+    pages but the other heads' floors."""
+    k, sized = num_kv_heads, self.for_cache(page_size=page_size,
+                                            grow=extra_tokens + max_new_tokens)
     budgets = self.layer_budgets(budget, prompt_len, num_layers)
-    capacity = tuple(round_up(k * b - (k - 1) * self.head_floor(b) + grow, page_size)
-                     for b in budgets)
-    return capacity, sum((k * (b + grow) + k * (page_size - 1)) // page_size for b in budgets)
+    pages = [sized.head_pages(b) for b in budgets]
+    capacity = tuple((k * p - (k - 1) * f) * page_size for p, f in pages)
+    return capacity, sum(k * p for p, _ in pages)
+
+  def head_pages(self, budget):
+    """(pages of a head of the inner policy, pages of a head at the floor) for a budget."""
+    size = self.page_size or 1
+    return -(-(budget + self.grow) // size), -(-(self.head_floor(budget) + self.grow) // size)
 
   def score(self, prompt, q, k, v):
     return self.inner.score(prompt, q, k, v)
 
   def keep(self, scores, prompt, budget, max_budget):
-    kh = scores.shape[1]
-    budgets = selection.head_budgets(scores, kh * budget, self.head_floor(budget),
-                                     kh * max_budget)
-    return self.inner.keep(scores, prompt, budgets, kh * max_budget)
+    kh, size, grow = scores.shape[1], self.page_size or 1, self.grow
+    pages, floor_pages = self.head_pages(budget)
+    max_total = kh * (round_up(max_budget + grow, size) - grow)
+    tokens = selection.head_budgets(scores, kh * (pages * size - grow),
+                                    floor_pages * size - grow, max_total)
+    budgets = selection.whole_pages(tokens, kh * pages, size, grow)
+    return self.inner.keep(scores, prompt, budgets, max_total)

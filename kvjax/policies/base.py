@@ -23,6 +23,15 @@ from kvjax.cache import attention as attention_lib
 from kvjax.cache.paged import PagedKVCache, round_up
 from kvjax.policies import selection
 
+# Metadata of the fields generation fills in (``Policy.for_cache``): not set by
+# users, not recorded among a row's settings.
+SIZED = {"sized_by_generation": True}
+
+
+def sized_field() -> dataclasses.Field:
+  """A field ``for_cache`` sets (0: not sized yet)."""
+  return dataclasses.field(default=0, metadata=SIZED)
+
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
@@ -120,6 +129,16 @@ class Policy:
     budgets = self.layer_budgets(budget, prompt_len, num_layers)
     grow = 0 if self.evicts_during_decode else max_new_tokens
     return tuple(round_up(b + extra_tokens + grow, page_size) for b in budgets)
+
+  def for_cache(self, *, page_size: int, grow: int) -> "Policy":
+    """This policy for a cache of ``page_size``-slot pages whose heads each take
+    ``grow`` entries after prefill (the appended question and the new tokens).
+
+    Default: itself. A policy whose heads share a layer's pages unevenly
+    (AdaKV, Duo) gives each head whole pages, which takes both sizes.
+    """
+    del page_size, grow
+    return self
 
   def cache_layout(self, num_kv_heads: int, **sizes) -> tuple[tuple[int, ...], int | None]:
     """(slots per KV head of each layer, the pool's pages per sequence) of a run's cache.

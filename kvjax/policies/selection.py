@@ -74,6 +74,31 @@ def head_budgets(scores: jax.Array, total, floor, max_total: int) -> jax.Array:
   return (first | extra).sum(-1, dtype=jnp.int32)
 
 
+def whole_pages(tokens: jax.Array, pages, page_size: int, grow: int) -> jax.Array:
+  """Rounds each head's budget so the layer's heads fill exactly ``pages`` pages.
+
+  Head h needs ``tokens[h] + grow`` slots (its kept entries, then what it takes
+  after prefill): it gets their whole pages, and the layer's pages left over go
+  one each to the heads that need most of a further page.
+
+  Args:
+    tokens: int32 [B, K] the heads' budgets (``head_budgets``), summing to at
+      most ``pages x page_size - K x grow``.
+    pages: the layer's pages, an int or a traced scalar.
+
+  Returns:
+    int32 [B, K]: budgets b_h with sum_h (b_h + grow) / page_size <= pages, each
+    (b_h + grow) a whole number of pages.
+  """
+  need = tokens + grow
+  whole = need // page_size
+  part = need - whole * page_size
+  spare = pages - whole.sum(-1, keepdims=True)
+  order = jnp.argsort(-part, axis=-1, stable=True)
+  rank = jnp.argsort(order, axis=-1)  # 0 for the head with most of a page to fill
+  return (whole + ((rank < spare) & (part > 0))) * page_size - grow
+
+
 def slots_from_keep(keep: jax.Array) -> jax.Array:
   """bool [B, K, T] -> int32 slots [B, K, T], original order, -1 where dropped."""
   rank = jnp.cumsum(keep, axis=-1, dtype=jnp.int32) - 1
