@@ -64,7 +64,8 @@ class TestRegistry:
         "sablock": window + ["delimiter_ids", "max_segment", "min_segment", "gamma", "epsilon",
                              "max_block"],
         "dynsplit_kv": window + ["delimiter_ids", "chunk", "delta", "alpha", "shared_split"],
-        "adakv": ["inner", "floor", "window"]}
+        "adakv": ["inner", "floor", "window", "page_size", "grow"],
+        "duo": ["gates", "n_sink", "recent", "page_size", "grow"]}
     assert policies.get("snapkv", window=16).window == 16
     assert policies.get(policies.get("snapkv"), window=16) == policies.get("snapkv", window=16)
     with pytest.raises(ValueError, match="unknown policy 'snap'"):

@@ -16,6 +16,7 @@ from kvjax.policies.base import Full
 from kvjax.policies.base import Policy
 from kvjax.policies.chunkkv import ChunkKV
 from kvjax.policies.delimiters import delimiter_ids
+from kvjax.policies.duo import Duo
 from kvjax.policies.dynsplit import DynSplitKV
 from kvjax.policies.h2o import H2O
 from kvjax.policies.knorm import KNorm
@@ -29,7 +30,7 @@ from kvjax.policies.streaming_llm import StreamingLLM
 _REGISTRY: dict[str, type[Policy]] = {
     cls.name: cls
     for cls in (Full, StreamingLLM, SnapKV, PyramidKV, KNorm, H2O, ChunkKV, SentenceKV,
-                PagedEviction, SABlock, DynSplitKV, AdaKV)
+                PagedEviction, SABlock, DynSplitKV, AdaKV, Duo)
 }
 
 
@@ -98,6 +99,7 @@ def get(name: str | Policy, **fields) -> Policy:
 __all__ = [
     "AdaKV",
     "ChunkKV",
+    "Duo",
     "DynSplitKV",
     "Full",
     "H2O",
