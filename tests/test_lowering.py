@@ -59,7 +59,14 @@ def _abstract_model(config_name: str, scan_layers: bool) -> LanguageModel:
   return LanguageModel(config, graphdef, params, None, f"abstract:{config_name}")
 
 
-def _policy(name: str):
+def _policy(name: str, config, folder: pathlib.Path):
+  if name == "duo":  # gates of the model's shape, written to ``folder``
+    from kvjax.retrieval_heads import save_gates
+    shape = (config.num_layers, config.num_kv_heads)
+    gates = np.linspace(1.0, 0.0, np.prod(shape), dtype=np.float32).reshape(shape)
+    save_gates(folder / "gates", gates, model="abstract", n_sink=4, recent=60, steps=1,
+               losses=[0.0])
+    return policies.get(name, gates=str(folder / "gates"))
   fields = {f.name for f in dataclasses.fields(type(policies.get(name)))}
   return policies.get(name, delimiter_ids=DELIMITERS) if "delimiter_ids" in fields \
       else policies.get(name)
@@ -130,10 +137,10 @@ def _check(seen, programs: set[str], backend: str):
 
 @pytest.mark.parametrize("backend", ["auto", "pallas"])
 @pytest.mark.parametrize("name", policies.names())
-def test_prefill_and_decode_lower(lowered, name, backend):
+def test_prefill_and_decode_lower(lowered, name, backend, tmp_path):
   lm = _abstract_model("smollm2_135m", scan_layers=True)
-  kvjax.generate(lm, [_prompt(lm.config.vocab_size)], policy=_policy(name), budget=_budget(name),
-                 max_new_tokens=4, backend=backend)
+  kvjax.generate(lm, [_prompt(lm.config.vocab_size)], policy=_policy(name, lm.config, tmp_path),
+                 budget=_budget(name), max_new_tokens=4, backend=backend)
   _check(lowered, {"prefill", "decode"}, backend)
 
 
@@ -142,10 +149,10 @@ def test_prefill_and_decode_lower(lowered, name, backend):
                          [("smollm2_135m", False), ("llama3_2_1b", False)])
 @pytest.mark.parametrize("backend", ["auto", "pallas"])
 @pytest.mark.parametrize("name", policies.names())
-def test_every_program_lowers(lowered, name, backend, config_name, scan_layers):
+def test_every_program_lowers(lowered, name, backend, config_name, scan_layers, tmp_path):
   """Unrolled layers, as GPUs and TPUs run them by default; every program kind."""
   lm = _abstract_model(config_name, scan_layers)
-  policy, budget = _policy(name), _budget(name)
+  policy, budget = _policy(name, lm.config, tmp_path), _budget(name)
   prompt = _prompt(lm.config.vocab_size)
   kw = dict(max_new_tokens=4, backend=backend)
   kvjax.generate(lm, [prompt, prompt[:1500]], policy=policy, budget=budget,
