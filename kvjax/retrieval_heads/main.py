@@ -42,11 +42,11 @@ def main(argv) -> None:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   for noisy in ("jax", "matplotlib", "absl"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
-  cfg = report.TrainConfig(model=FLAGS.model, steps=FLAGS.steps,
-                           learning_rate=FLAGS.learning_rate, length=FLAGS.length,
-                           batch_size=FLAGS.batch_size, n_sink=FLAGS.n_sink,
-                           recent=FLAGS.recent, l1=FLAGS.l1, seed=FLAGS.seed)
   try:
+    cfg = report.TrainConfig(model=FLAGS.model, steps=FLAGS.steps,
+                             learning_rate=FLAGS.learning_rate, length=FLAGS.length,
+                             batch_size=FLAGS.batch_size, n_sink=FLAGS.n_sink,
+                             recent=FLAGS.recent, l1=FLAGS.l1, seed=FLAGS.seed)
     result = report.train_and_save(cfg, FLAGS.out, FLAGS.gates or None,
                                    progress=FLAGS.progress)
   except (ValueError, OSError) as e:  # bad input a user can fix: one line

@@ -40,6 +40,11 @@ class TrainConfig:
   l1: float = train.L1  # weight of mean(|gates|) in the loss
   seed: int = train.SEED  # seeds the training prompts
 
+  def __post_init__(self):
+    train.check_settings(steps=self.steps, learning_rate=self.learning_rate,
+                         length=self.length, batch_size=self.batch_size, n_sink=self.n_sink,
+                         recent=self.recent, l1=self.l1, seed=self.seed)
+
 
 def gates_table(gates: np.ndarray) -> str:
   """A markdown table of gates [L, K]: one row a layer, one column a KV head."""
@@ -67,7 +72,9 @@ def plot(path: pathlib.Path, rows: list[dict[str, Any]], gates: np.ndarray,
   curve.plot(steps, [r["mse"] for r in rows], label="squared error", color="tab:orange")
   curve.set_xlabel("step")
   curve.set_ylabel("loss")
-  plots.value_scale(curve, [r["loss"] for r in rows] + [r["mse"] for r in rows])
+  # Linear from 0: the first step's squared error (~0, every gate at 1) would
+  # turn a log axis into decades of nothing.
+  curve.set_ylim(0, max([r["loss"] for r in rows] + [r["mse"] for r in rows]) * 1.08 or 1.0)
   curve.legend(fontsize=8)
   curve.set_title(title, fontsize=9)
   shown = image.imshow(np.asarray(gates).T, aspect="auto", vmin=0.0, vmax=1.0, cmap="viridis",

@@ -164,11 +164,26 @@ def make_update(graphdef, optimizer: optax.GradientTransformation, *, n_sink: in
   return update
 
 
-def _check(name: str, value, low, what: str = "") -> None:
-  if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-    raise ValueError(f"{name} must be a number, got {value!r}")
-  if not value >= low:
-    raise ValueError(f"{name} must be >= {low}{what}, got {value}")
+def check_settings(*, steps, learning_rate, length, batch_size, n_sink, recent, l1,
+                   seed=0) -> None:
+  """Raises ValueError, quoting the value, for a setting ``train_gates`` cannot run with."""
+  for name, value, low in (("steps", steps, 1), ("length", length, 1),
+                           ("batch_size", batch_size, 1), ("n_sink", n_sink, 0),
+                           ("recent", recent, 1), ("seed", seed, 0)):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+      raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low:
+      raise ValueError(f"{name} must be >= {low}, got {value}")
+  for name, value in (("learning_rate", learning_rate), ("l1", l1)):
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+      raise ValueError(f"{name} must be a number, got {value!r}")
+    if not np.isfinite(value) or value < 0 or (name == "learning_rate" and value == 0):
+      raise ValueError(f"{name} must be {'> 0' if name == 'learning_rate' else '>= 0'} and "
+                       f"finite, got {value}")
+  if length < n_sink + recent + 16:
+    raise ValueError(f"length {length} is too short for n_sink={n_sink} + recent={recent}: "
+                     f"it needs at least {n_sink + recent + 16} tokens so that the needle "
+                     "can sit outside the streaming window")
 
 
 def train_gates(lm, *, steps: int = STEPS, learning_rate: float = LEARNING_RATE,
@@ -203,20 +218,8 @@ def train_gates(lm, *, steps: int = STEPS, learning_rate: float = LEARNING_RATE,
     ValueError: a bad argument (the value in the message), or a prompt
       longer than the model's context.
   """
-  for name, value, low in (("steps", steps, 1), ("length", length, 1),
-                           ("batch_size", batch_size, 1), ("n_sink", n_sink, 0),
-                           ("recent", recent, 1)):
-    _check(name, value, low)
-    if int(value) != value:
-      raise ValueError(f"{name} must be an integer, got {value}")
-  _check("learning_rate", learning_rate, 0.0)
-  if not learning_rate > 0:
-    raise ValueError(f"learning_rate must be > 0, got {learning_rate}")
-  _check("l1", l1, 0.0)
-  if length < n_sink + recent + 16:
-    raise ValueError(f"length {length} is too short for n_sink={n_sink} + recent={recent}: "
-                     f"it needs at least {n_sink + recent + 16} tokens so that the needle "
-                     "can sit outside the streaming window")
+  check_settings(steps=steps, learning_rate=learning_rate, length=length,
+                 batch_size=batch_size, n_sink=n_sink, recent=recent, l1=l1, seed=seed)
   config = lm.config
   if length > config.max_position_embeddings:
     raise ValueError(f"length {length} exceeds the model's context of "
