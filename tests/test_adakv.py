@@ -74,7 +74,7 @@ class TestPolicy:
     assert policies.get("adakv", inner="snapkv").head_floor(128) == 64
     assert policies.get("adakv", inner="sablock").head_floor(128) == 26  # ceil(0.2 * 128)
     assert policies.get("adakv", inner="knorm", floor=0.0).head_floor(128) == 0
-    for name, why in (("dynsplit_kv", "outside keep"), ("paged_eviction", "during decode"),
+    for name, why in (("duo", "outside keep"), ("paged_eviction", "during decode"),
                       ("h2o", "during decode"), ("full", "no budget")):
       with pytest.raises(ValueError, match=f"cannot wrap '{name}': .*{why}"):
         policies.get("adakv", inner=name)
@@ -156,6 +156,22 @@ def test_generate_splits_the_inner_policys_pages(budget):
   capacity, pages = policy.cache_layout(2, budget=budget, prompt_len=120, extra_tokens=0,
                                         max_new_tokens=steps, page_size=ps, num_layers=3)
   assert capacity == ((2 * head_pages - 1) * ps,) * 3 and pages == 3 * 2 * head_pages
+
+
+@pytest.mark.parametrize("shared_split", [False, True])
+def test_generate_splits_dynsplit_kvs_budget_across_heads(shared_split):
+  lm = kvjax.init_random(CONFIG, seed=3)
+  rng = np.random.default_rng(1)
+  prompt = rng.integers(5, 97, 160)
+  prompt[rng.random(160) < 0.1] = 2  # candidate boundaries
+  inner = policies.get("dynsplit_kv", delimiter_ids=(2,), shared_split=shared_split)
+  kw = dict(budget=42, max_new_tokens=6, stop_ids=[], page_size=2)  # small pages: heads differ
+  result = kvjax.generate(lm, [prompt.tolist()], policy=policies.get("adakv", inner=inner), **kw)
+  plain = kvjax.generate(lm, [prompt.tolist()], policy=inner, **kw)
+  assert result.cache.kv_bytes == plain.cache.kv_bytes
+  kept = np.asarray(result.cache.lengths)[0] - 5  # [L, K]: less the 5 tokens appended
+  assert (kept.sum(-1) == 2 * 42).all() and (kept >= 16).all()  # the window (the floor)
+  assert (kept != 42).any()  # the heads' shares differ somewhere
 
 
 def test_whole_pages_rounds_to_the_layers_pages():

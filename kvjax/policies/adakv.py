@@ -7,9 +7,9 @@ tokens, and never fewer than the inner policy always keeps: its observation
 window); the rest of the layer's entries go to the best remaining scores of
 all its heads at once (``selection.head_budgets``). The inner policy then
 keeps, per head, its own choice under that head's budget: top-k for SnapKV,
-whole segments and blocks for SABlock.
+whole segments and blocks for SABlock and DynSplit-KV.
 
-  kvjax.policies.get("adakv", inner="snapkv")          # or inner="sablock", ...
+  kvjax.policies.get("adakv", inner="snapkv")          # or "sablock", "dynsplit_kv", ...
   --policies=adakv:inner=sablock:floor=0.1
 
 Parameters:
@@ -30,10 +30,11 @@ fills whole pages (``selection.whole_pages``).
 Ours where the paper is silent: the inner policy's scores are compared across
 heads as they come (SnapKV's and SABlock's are attention weights, which sum to
 one per query in every head); the inner policy keeps its observation window in
-each head within the floor. Inner policies that choose their blocks outside
-``keep`` (DynSplit-KV), evict during decode (PagedEviction, H2O, StreamingLLM)
-or keep every token (full) are refused; so are a chunked prefill and a device
-mesh (the split needs every head of a layer at once).
+each head within the floor. Inner policies that choose their entries outside
+``keep`` (Duo; DynSplit-KV takes the split in its own ``select``), evict
+during decode (PagedEviction, H2O, StreamingLLM) or keep every token (full)
+are refused; so are a chunked prefill and a device mesh (the split needs every
+head of a layer at once).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from kvjax.policies import selection
 from kvjax.policies.base import Full
 from kvjax.policies.base import Policy
 from kvjax.policies.base import sized_field
+from kvjax.policies.dynsplit import DynSplitKV
 from kvjax.policies.snapkv import SnapKV
 
 
@@ -80,7 +82,8 @@ class AdaKV(Policy):
       why = "it keeps no budget of its own to split"
     elif inner.evicts_during_decode or inner.accumulates_attention:
       why = "it evicts during decode, where every head holds the same budget"
-    elif type(inner).select is not Policy.select or inner.needs_every_layer:
+    elif (type(inner).select is not Policy.select or inner.needs_every_layer) and not isinstance(
+        inner, DynSplitKV):
       why = "it chooses its entries outside keep()"
     if why:
       raise ValueError(f"policy 'adakv' cannot wrap {inner.name!r}: {why}")
@@ -134,11 +137,31 @@ class AdaKV(Policy):
   def score(self, prompt, q, k, v):
     return self.inner.score(prompt, q, k, v)
 
-  def keep(self, scores, prompt, budget, max_budget):
+  def head_split(self, scores, budget, max_budget: int):
+    """(each head's budget [B, K], their static bound) from the inner policy's scores
+    [B, K, T] and the layer's budget per head."""
     kh, size, grow = scores.shape[1], self.page_size or 1, self.grow
     pages, floor_pages = self.head_pages(budget)
     max_total = kh * (round_up(max_budget + grow, size) - grow)
     tokens = selection.head_budgets(scores, kh * (pages * size - grow),
                                     floor_pages * size - grow, max_total)
-    budgets = selection.whole_pages(tokens, kh * pages, size, grow)
-    return self.inner.keep(scores, prompt, budgets, max_total)
+    return selection.whole_pages(tokens, kh * pages, size, grow), max_total
+
+  def keep(self, scores, prompt, budget, max_budget):
+    return self.inner.keep(scores, prompt, *self.head_split(scores, budget, max_budget))
+
+  # DynSplit-KV chooses its blocks in its own select; it takes the split there.
+  @property
+  def needs_every_layer(self):
+    return self.inner.needs_every_layer
+
+  def select(self, budget, layer_budgets):
+    if isinstance(self.inner, DynSplitKV):
+      return self.inner.select(budget, layer_budgets, head_split=self.head_split)
+    return super().select(budget, layer_budgets)
+
+  def select_recorded(self, budget, layer_budgets, prompt, recorded):
+    if isinstance(self.inner, DynSplitKV):
+      return self.inner.select_recorded(budget, layer_budgets, prompt, recorded,
+                                        head_split=self.head_split)
+    return super().select_recorded(budget, layer_budgets, prompt, recorded)

@@ -99,23 +99,26 @@ class DynSplitKV(DelimiterFields, WindowFields, Policy):
   def needs_every_layer(self) -> bool:
     return self.shared_split
 
-  def select(self, budget, layer_budgets):
+  def select(self, budget, layer_budgets, head_split=None):
+    """The prefill keep rule. ``head_split(scores, budget, max_budget)``, if given, turns
+    the layer's budget into one per head, [B, K], and their static bound (AdaKV)."""
     if self.shared_split:
       raise ValueError(f"policy {self.name!r} with shared_split=True splits once from every "
                        "layer's density: its prefill needs them all first (kvjax.generate "
                        "records the prompt's forward pass, then selects: select_recorded)")
-    return self._select(layer_budgets, lambda prompt, q, k, density: self.split(prompt, density))
+    return self._select(layer_budgets, lambda prompt, q, k, density: self.split(prompt, density),
+                        head_split)
 
-  def select_recorded(self, budget, layer_budgets, prompt, recorded):
+  def select_recorded(self, budget, layer_budgets, prompt, recorded, head_split=None):
     if not self.shared_split:
-      return self.select(budget, layer_budgets)
+      return self.select(budget, layer_budgets, head_split)
     q_all, k_all, _ = recorded  # [L, B, T, N, H], [L, B, T, K, H]
     density = jax.lax.map(lambda qk: self.scorer.prefix_scores(*qk, prompt.lengths)[1],
                           (q_all, k_all))  # [L, B, T]
     starts, sizes = self.split(prompt, density.mean(0))
-    return self._select(layer_budgets, lambda *_: (starts, sizes))
+    return self._select(layer_budgets, lambda *_: (starts, sizes), head_split)
 
-  def _select(self, layer_budgets, split):
+  def _select(self, layer_budgets, split, head_split):
     """The select function; ``split(prompt, q, k, density)`` gives the layer's blocks."""
     max_budget = max(layer_budgets)
     table = jnp.asarray(layer_budgets, jnp.int32)
@@ -124,7 +127,10 @@ class DynSplitKV(DelimiterFields, WindowFields, Policy):
       del v
       scores, density = self.scorer.prefix_scores(q, k, prompt.lengths)
       starts, sizes = split(prompt, q, k, density)
-      plan = self.plan_from_blocks(scores, starts, sizes, prompt, table[layer], max_budget)
+      budget, bound = table[layer], max_budget
+      if head_split is not None:
+        budget, bound = head_split(scores, budget, max_budget)
+      plan = self.plan_from_blocks(scores, starts, sizes, prompt, budget, bound)
       return selection.slots_from_keep(plan.keep), None
 
     return select
@@ -149,7 +155,8 @@ class DynSplitKV(DelimiterFields, WindowFields, Policy):
         chunk=self.chunk, delta=self.delta, alpha=float(self.alpha))
 
   def plan_from_blocks(self, scores, starts, sizes, prompt, budget, max_budget: int) -> Plan:
-    """The selection from token scores [B, K, T] and blocks (starts, sizes [B, NB])."""
+    """The selection from token scores [B, K, T] and blocks (starts, sizes [B, NB]); the
+    budget is the layer's, or one per head [B, K]."""
     b, kh, t = scores.shape
     prefix, window = selection.regions(prompt.lengths, t, self.window)
     nb = starts.shape[1]
@@ -164,7 +171,8 @@ class DynSplitKV(DelimiterFields, WindowFields, Policy):
     block_scores = jnp.where(sizes[:, None] > 0, block_scores, -jnp.inf)
     block_scores = jnp.where(jnp.isnan(block_scores), -jnp.inf, block_scores)
     # Whole blocks in order of score while they fit the room left by the window.
-    fits = selection.keep_whole(block_scores, sizes, (budget - window.sum(-1))[:, None, None])
+    room = budget - window.sum(-1)[:, None]  # [B, 1], or [B, K] for per-head budgets (AdaKV)
+    fits = selection.keep_whole(block_scores, sizes, room[..., None])
     # Back from tiles to tokens.
     kept_tile = (fits[..., None] & tile_ok[:, None]).reshape(b, kh, nb * width)
     target = jnp.where(tile_ok, tile, t).reshape(b, 1, nb * width)
