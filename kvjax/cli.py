@@ -80,8 +80,9 @@ def interrupted(message: str = "interrupted") -> NoReturn:
 
 
 def quiet_logs() -> None:
-  """absl shows INFO logs; JAX's and matplotlib's are noise on a command line."""
-  for noisy in ("jax", "matplotlib"):
+  """absl shows INFO logs; JAX's, matplotlib's and orbax's (through absl's, a dozen
+  lines per checkpoint read: the duo policy's gates) are noise on a command line."""
+  for noisy in ("jax", "matplotlib", "absl"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
