@@ -13,12 +13,9 @@ A bad flag or input ends in one line ``error: ...`` (exit 2).
 
 from __future__ import annotations
 
-import logging
-import sys
-
-from absl import app
 from absl import flags
 
+from kvjax import cli
 from kvjax.retrieval_heads import report
 
 _D = report.TrainConfig()
@@ -39,26 +36,26 @@ flags.DEFINE_bool("progress", True, "A progress bar on stderr.")
 
 def main(argv) -> None:
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments {argv[1:]}")
-  for noisy in ("jax", "matplotlib", "absl"):
-    logging.getLogger(noisy).setLevel(logging.WARNING)
+    cli.fail(f"unexpected arguments {argv[1:]}")
+  cli.quiet_logs()
+  cli.check_out_folder(FLAGS.out)
+  # Bad input (ValueError, OSError) ends in one line in cli.call.
+  cfg = report.TrainConfig(model=FLAGS.model, steps=FLAGS.steps,
+                           learning_rate=FLAGS.learning_rate, length=FLAGS.length,
+                           batch_size=FLAGS.batch_size, n_sink=FLAGS.n_sink,
+                           recent=FLAGS.recent, l1=FLAGS.l1, seed=FLAGS.seed)
   try:
-    cfg = report.TrainConfig(model=FLAGS.model, steps=FLAGS.steps,
-                             learning_rate=FLAGS.learning_rate, length=FLAGS.length,
-                             batch_size=FLAGS.batch_size, n_sink=FLAGS.n_sink,
-                             recent=FLAGS.recent, l1=FLAGS.l1, seed=FLAGS.seed)
     result = report.train_and_save(cfg, FLAGS.out, FLAGS.gates or None,
                                    progress=FLAGS.progress)
-  except (ValueError, OSError) as e:  # bad input a user can fix: one line
-    print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-    sys.exit(2)
+  except KeyboardInterrupt:
+    cli.interrupted("interrupted; no gates written")
   print(result["text"])
   print(f"gates in {result['gates_dir']}; losses.jsonl and loss_curve.png in {FLAGS.out}")
 
 
 def run() -> None:
   """Console-script entry point."""
-  app.run(main)
+  cli.run(main)
 
 
 if __name__ == "__main__":
