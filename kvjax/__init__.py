@@ -22,6 +22,11 @@ _NAMES = {
     "GenerationStats": "kvjax.generation",
     "generate": "kvjax.generation",
     "generate_each": "kvjax.generation",
+    "CompressedContext": "kvjax.generation",
+    "answer": "kvjax.generation",
+    "compress": "kvjax.generation",
+    "load_cache": "kvjax.generation",
+    "save_cache": "kvjax.generation",
     "LanguageModel": "kvjax.models.lm",
     "init_random": "kvjax.models.lm",
     "load": "kvjax.models.lm",
@@ -43,6 +48,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
   from kvjax import backend, buffer_memory, policies, runtime, sharding, tasks
   from kvjax.cache import PagedKVCache, causal_attention, decode_attention, prefill_attention
   from kvjax.generation import GenerationResult, GenerationStats, generate, generate_each
+  from kvjax.generation import CompressedContext, answer, compress, load_cache, save_cache
   from kvjax.models.config import LlamaConfig, RopeScaling
   from kvjax.models.lm import LanguageModel, init_random, load
 

@@ -9,7 +9,8 @@ Modules: ``api`` (generate, generate_each, decode and their results),
 ``inputs`` (argument checks, tokenizing, padding), ``plan`` (what one
 (policy, budget) run allocates and calls), ``programs`` (the bodies of the
 compiled programs), ``state`` (the decode loop's carry), ``sampling`` (how
-the next token is picked), ``compile`` (compiling and timing programs).
+the next token is picked), ``compile`` (compiling and timing programs),
+``saved`` (compress once, save, load, answer many questions).
 """
 
 from kvjax.generation.api import GenerationResult
@@ -21,15 +22,25 @@ from kvjax.generation.compile import COMPILE_COUNT
 from kvjax.generation.sampling import Greedy
 from kvjax.generation.sampling import Temperature
 from kvjax.generation.sampling import TopK
+from kvjax.generation.saved import CompressedContext
+from kvjax.generation.saved import answer
+from kvjax.generation.saved import compress
+from kvjax.generation.saved import load_cache
+from kvjax.generation.saved import save_cache
 
 __all__ = [
     "COMPILE_COUNT",
+    "CompressedContext",
     "GenerationResult",
     "GenerationStats",
     "Greedy",
     "Temperature",
     "TopK",
+    "answer",
+    "compress",
     "decode",
     "generate",
     "generate_each",
+    "load_cache",
+    "save_cache",
 ]

@@ -218,23 +218,44 @@ def generate_each(
 def _run(lm: LanguageModel, batch: inputs.Batch, options: inputs.Options,
          plan: plan_lib.RunPlan, clock: Clock) -> GenerationResult:
   """Compiles, prefills and decodes one run."""
-  sampler = sampling.from_options(options.temperature, options.top_k)
-  decode_options = dict(policy=plan.policy, limit=plan.limit, question=batch.question_span,
-                        max_new_tokens=options.max_new_tokens, backend=options.backend,
-                        stop_ids=options.stop_ids, sampler=sampler, seed=options.seed,
-                        mesh=options.mesh)
   # Compiled before the cache exists: the compiler's transient memory then
   # does not stack on the page pool and what the prefill leaves.
   abstract = jax.eval_shape(plan.new_cache)
   logits = plan.prefill.compile(clock, abstract)
   clock.compile(programs.decode, *plan_lib.decode_call(
-      lm, abstract, logits, batch.next_positions, **decode_options))
+      lm, abstract, logits, batch.next_positions, **_decode_options(batch, options, plan)))
 
   cache, logits = plan.prefill.run(clock, plan.new_cache())
+  return finish_run(lm, batch, options, plan, clock, cache, logits)
+
+
+def _decode_options(batch: inputs.Batch, options: inputs.Options,
+                    plan: plan_lib.RunPlan) -> dict:
+  """``plan_lib.decode_call``'s keyword arguments for one run."""
+  return dict(policy=plan.policy, limit=plan.limit, question=batch.question_span,
+              max_new_tokens=options.max_new_tokens, backend=options.backend,
+              stop_ids=options.stop_ids,
+              sampler=sampling.from_options(options.temperature, options.top_k),
+              seed=options.seed, mesh=options.mesh)
+
+
+def finish_run(lm: LanguageModel, batch: inputs.Batch, options: inputs.Options,
+               plan: plan_lib.RunPlan, clock: Clock, cache: PagedKVCache,
+               logits) -> GenerationResult:
+  """A run from its filled cache on: appends the batch's questions, decodes, reports.
+
+  ``generate`` calls it after the prefill; ``kvjax.answer`` on a saved
+  compressed cache laid out as ``plan`` lays its cache out.
+
+  Args:
+    cache: the cache after prefill (donated).
+    logits: [B, V] next-token logits after the prompt (unused when the batch
+      has questions to append: the question's last token gives them).
+  """
   if batch.question_tokens is not None:
     cache, logits = plan_lib.append_questions(lm, batch, options, clock, cache)
   tokens, steps, cache = clock.run("decode", programs.decode, *plan_lib.decode_call(
-      lm, cache, logits, batch.next_positions, **decode_options))
+      lm, cache, logits, batch.next_positions, **_decode_options(batch, options, plan)))
 
   stops = {int(s) for s in options.stop_ids}
   token_ids = [_until_stop(row, stops) for row in np.asarray(tokens)]
@@ -242,7 +263,7 @@ def _run(lm: LanguageModel, batch: inputs.Batch, options: inputs.Options,
   stats = GenerationStats(
       prompt_tokens=tuple(int(n) for n in batch.next_positions),
       generated_tokens=tuple(len(row) for row in token_ids),
-      prefill_s=clock.seconds["prefill"], decode_s=clock.seconds["decode"],
+      prefill_s=clock.seconds.get("prefill", 0.0), decode_s=clock.seconds["decode"],
       decode_steps=int(steps) - 1, compile_s=clock.compile_s, kv_bytes=cache.kv_bytes,
       kv_capacity=cache.capacity, policy=plan.policy.name, budget=plan.budget,
       backend=backend_lib.resolve(options.backend, "paged_attention"), mesh_shape=cache.shards)
