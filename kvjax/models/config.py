@@ -186,6 +186,15 @@ class LlamaConfig:
                        f"got {self.rope_scaling!r}")
 
   @property
+  def layer_windows(self) -> tuple[int, ...]:
+    """Per layer: the keys a query may see, 0 where unlimited (every layer here).
+
+    Sliding-window models (Gemma3Config) give their local layers' window; the
+    paged cache can look a layer's window up in this static table.
+    """
+    return (0,) * self.num_layers
+
+  @property
   def group_size(self) -> int:
     """G: query heads per KV head."""
     return self.num_heads // self.num_kv_heads
@@ -198,3 +207,96 @@ class LlamaConfig:
 
 def _values(config: LlamaConfig) -> dict[str, Any]:
   return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+# Gemma 3's layer kinds, as transformers' config.json names them.
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def gemma3_layer_types(num_layers: int, pattern: int = 6) -> tuple[str, ...]:
+  """Gemma 3's default interleave: every ``pattern``-th layer global, the rest local.
+
+  Layers ``pattern - 1``, ``2 * pattern - 1``, ... attend to the whole
+  context (llama.cpp's ``set_swa_pattern`` and transformers' ``layer_types``
+  agree on this order).
+  """
+  return tuple(FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemma3Config(LlamaConfig):
+  """Gemma 3 (text): a Llama-shaped decoder with local and global layers.
+
+  Differences from LlamaConfig's decoder: the embedding is scaled by
+  sqrt(D); q and k are RMS-normed per head (``qk_norm`` is always True);
+  RMS norms sit before and after attention and the MLP; the MLP is GeGLU
+  (tanh-approximated GELU); local layers attend to the last
+  ``sliding_window`` positions (the query's own included) with RoPE base
+  ``rope_local_theta``, global layers to everything with ``rope_theta``.
+  Norm scales are stored as applied (Gemma's ``1 + w``, as llama.cpp's GGUF
+  files already hold them).
+  """
+
+  qk_norm: bool = True  # always: Gemma 3 norms q and k per head
+  sliding_window: int = 512  # keys a local layer's query sees, itself included
+  layer_types: tuple[str, ...] = ()  # per layer SLIDING or FULL; () = gemma3_layer_types
+  rope_local_theta: float = 10000.0  # RoPE base of local layers (rope_theta: global ones)
+  query_pre_attn_scalar: float = 256.0  # scores are q.k / sqrt(this), not / sqrt(H)
+  final_logit_softcapping: float | None = None  # logits -> c * tanh(logits / c); None: off
+  name: str = "gemma3"
+
+  def __post_init__(self):
+    if not self.layer_types:
+      object.__setattr__(self, "layer_types", gemma3_layer_types(self.num_layers))
+    object.__setattr__(self, "layer_types", tuple(self.layer_types))
+    super().__post_init__()
+    if not self.qk_norm:
+      raise ValueError("Gemma3Config.qk_norm must be True (Gemma 3 norms q and k)")
+    if self.rope_scaling is not None:
+      raise ValueError("Gemma3Config.rope_scaling must be None: Gemma 3's scaled RoPE "
+                       "(the 4B and larger models) is not implemented")
+    if not is_int(self.sliding_window) or self.sliding_window <= 0:
+      raise ValueError(f"Gemma3Config.sliding_window must be a positive int, "
+                       f"got {self.sliding_window!r}")
+    if len(self.layer_types) != self.num_layers or \
+        any(t not in (SLIDING, FULL) for t in self.layer_types):
+      raise ValueError(f"Gemma3Config.layer_types must name {self.num_layers} layers, each "
+                       f"{SLIDING!r} or {FULL!r}, got {self.layer_types!r}")
+    for field in ("rope_local_theta", "query_pre_attn_scalar"):
+      value = getattr(self, field)
+      if not is_real(value) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"Gemma3Config.{field} must be a finite positive number, "
+                         f"got {value!r}")
+    cap = self.final_logit_softcapping
+    if cap is not None and (not is_real(cap) or not math.isfinite(cap) or cap <= 0):
+      raise ValueError(f"Gemma3Config.final_logit_softcapping must be None or a finite "
+                       f"positive number, got {cap!r}")
+
+  @property
+  def local_layers(self) -> tuple[bool, ...]:
+    """Per layer: whether it attends only to its last ``sliding_window`` positions."""
+    return tuple(t == SLIDING for t in self.layer_types)
+
+  @property
+  def layer_windows(self) -> tuple[int, ...]:
+    """Per layer: the keys a query may see (``sliding_window``), 0 where unlimited."""
+    return tuple(self.sliding_window if local else 0 for local in self.local_layers)
+
+  @property
+  def layer_rope_thetas(self) -> tuple[float, ...]:
+    """Per layer: its RoPE base."""
+    return tuple(self.rope_local_theta if local else self.rope_theta
+                 for local in self.local_layers)
+
+  @property
+  def num_parameters(self) -> int:
+    """As LlamaConfig's, plus the norms after attention and after the MLP."""
+    return super().num_parameters + 2 * self.num_layers * self.hidden_size
+
+
+def config_class(name: str) -> type[LlamaConfig]:
+  """The config class of ``type(config).__name__`` (what the weight cache records)."""
+  classes = {c.__name__: c for c in (LlamaConfig, Gemma3Config)}
+  if name not in classes:
+    raise ValueError(f"unknown config class {name!r}; known: {', '.join(classes)}")
+  return classes[name]

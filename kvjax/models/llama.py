@@ -141,7 +141,11 @@ class Llama(nnx.Module):
 
   ``layers`` holds L stacked DecoderLayers (``scan_layers`` true), else a list
   of L; ``scan_layers=None`` picks by the default device (``default_scan_layers``).
+  Subclasses (kvjax.models.gemma3) change the layer class, the embedding's
+  scale, the RoPE tables and the logits, and keep the loop over layers.
   """
+
+  layer_class = DecoderLayer
 
   def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
                scan_layers: bool | None = None):
@@ -154,12 +158,12 @@ class Llama(nnx.Module):
       @nnx.split_rngs(splits=config.num_layers)
       @nnx.vmap(in_axes=(0,), out_axes=0)
       def make_layers(layer_rngs):
-        return DecoderLayer(config, dtype=dtype, rngs=layer_rngs)
+        return self.layer_class(config, dtype=dtype, rngs=layer_rngs)
 
       self.layers = make_layers(rngs)
     else:
       self.layers = nnx.List(
-          [DecoderLayer(config, dtype=dtype, rngs=rngs) for _ in range(config.num_layers)])
+          [self.layer_class(config, dtype=dtype, rngs=rngs) for _ in range(config.num_layers)])
     self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
     if not config.tie_embeddings:
       self.lm_head = _dense(rngs, config.hidden_size, config.vocab_size, dtype)
@@ -174,8 +178,8 @@ class Llama(nnx.Module):
     Returns:
       (hidden [B, T, D] after the final norm, state).
     """
-    x = embed(self.embed[...], tokens, self.config.hidden_size, self.final_norm.scale[...].dtype)
-    cos, sin = rope_lib.cos_sin(self.config, positions)
+    x = self.embed_tokens(tokens)
+    cos, sin = self.rope_tables(positions)
     if not self.scan_layers:
       for i, layer in enumerate(self.layers):
         x, state = layer(x, cos, sin, state, i, attend)
@@ -191,6 +195,15 @@ class Llama(nnx.Module):
     layers = jnp.arange(self.config.num_layers)
     (x, state), _ = jax.lax.scan(body, (x, state), (stacked, layers))
     return self.final_norm(x), state
+
+  def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+    """tokens [B, T] -> the first layer's input [B, T, D]."""
+    return embed(self.embed[...], tokens, self.config.hidden_size,
+                 self.final_norm.scale[...].dtype)
+
+  def rope_tables(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """positions [B, T] -> the (cos, sin) every layer receives, each [B, T, H]."""
+    return rope_lib.cos_sin(self.config, positions)
 
   def logits(self, hidden: jax.Array) -> jax.Array:
     """hidden [..., D] -> float32 logits [..., V]."""

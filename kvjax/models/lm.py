@@ -16,9 +16,9 @@ from flax import nnx
 
 from kvjax import backend as backend_lib
 from kvjax import host_memory
-from kvjax.cache.attention import causal_attention
 from kvjax.kernels import quantized
-from kvjax.models.config import LlamaConfig
+from kvjax.models.config import Gemma3Config, LlamaConfig
+from kvjax.models.gemma3 import Gemma3, reference_attend
 from kvjax.models.llama import Llama, default_scan_layers
 
 # Module parameters that hold several canonical weights (the names the
@@ -101,7 +101,7 @@ class LanguageModel:
 def _forward(graphdef, params, tokens):
   model = nnx.merge(graphdef, params)
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-  attend = lambda state, layer, q, k, v: (state, causal_attention(q, k, v))
+  attend = reference_attend(model.config)  # causal; windowed on local layers
   with backend_lib.use("auto"):  # on CPU: the native attention and packed products
     hidden, _ = model(tokens, positions, None, attend)
     return model.logits(hidden)
@@ -132,8 +132,9 @@ def _params_from(config: LlamaConfig, weights: dict, dtype, scan_layers: bool | 
   dict holds the only references (``load``'s), each part's memory goes back
   before the next is copied: loading peaks at most one part above the weights.
   """
+  module = module_class(config)
   abstract = nnx.eval_shape(
-      lambda: Llama(config, dtype=dtype, rngs=nnx.Rngs(0), scan_layers=scan_layers))
+      lambda: module(config, dtype=dtype, rngs=nnx.Rngs(0), scan_layers=scan_layers))
   graphdef, state = nnx.split(abstract)
   expected = _flatten(nnx.to_pure_dict(state))
   names = {_parse(path)[0] for path in expected}
@@ -196,6 +197,11 @@ def _params_from(config: LlamaConfig, weights: dict, dtype, scan_layers: bool | 
       del weights[name]
   nnx.replace_by_pure_dict(state, pure)
   return graphdef, state
+
+
+def module_class(config: LlamaConfig) -> type[Llama]:
+  """The Flax module that runs ``config``: Gemma3 for a Gemma3Config, else Llama."""
+  return Gemma3 if isinstance(config, Gemma3Config) else Llama
 
 
 def _output_axis(w: np.ndarray) -> int:
@@ -268,7 +274,7 @@ def init_random(config: LlamaConfig, seed: int = 0, dtype=jnp.float32,
   ``scan_layers``: as in ``load`` (None: unrolled on GPU and TPU, scanned on CPU).
   """
   graphdef, params = nnx.split(
-      Llama(config, dtype=dtype, rngs=nnx.Rngs(seed), scan_layers=scan_layers))
+      module_class(config)(config, dtype=dtype, rngs=nnx.Rngs(seed), scan_layers=scan_layers))
   return LanguageModel(config, graphdef, params, None, f"random:{seed}")
 
 

@@ -14,10 +14,14 @@ import numpy as np
 from kvjax.models.config import LlamaConfig
 
 
-def inverse_frequencies(config: LlamaConfig) -> np.ndarray:
-  """[H / 2] float32 inverse frequencies, llama3-scaled when configured."""
+def inverse_frequencies(config: LlamaConfig, theta: float | None = None) -> np.ndarray:
+  """[H / 2] float32 inverse frequencies, llama3-scaled when configured.
+
+  ``theta``: the base, if not ``config.rope_theta`` (Gemma 3's local layers).
+  """
   h = config.head_dim
-  inv = 1.0 / (config.rope_theta ** (np.arange(0, h, 2, dtype=np.float32) / h))
+  theta = config.rope_theta if theta is None else theta
+  inv = 1.0 / (theta ** (np.arange(0, h, 2, dtype=np.float32) / h))
   s = config.rope_scaling
   if s is None:
     return inv.astype(np.float32)
@@ -34,9 +38,12 @@ def inverse_frequencies(config: LlamaConfig) -> np.ndarray:
   return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def cos_sin(config: LlamaConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """positions [B, T] -> (cos, sin), each [B, T, H] float32."""
-  angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inverse_frequencies(config))
+def cos_sin(config: LlamaConfig, positions: jax.Array,
+            theta: float | None = None) -> tuple[jax.Array, jax.Array]:
+  """positions [B, T] -> (cos, sin), each [B, T, H] float32 (``theta`` as in
+  ``inverse_frequencies``)."""
+  inv = inverse_frequencies(config, theta)
+  angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv)
   angles = jnp.concatenate([angles, angles], axis=-1)
   return jnp.cos(angles), jnp.sin(angles)
 

@@ -62,8 +62,9 @@ def save(folder: pathlib.Path, lm) -> None:
     with ocp.StandardCheckpointer() as checkpointer:
       checkpointer.save((partial / "params").absolute(), nnx.to_pure_dict(lm.params))
     (partial / "config.json").write_text(json.dumps(dataclasses.asdict(lm.config)))
-    (partial / "load.json").write_text(json.dumps(dict(source=lm.source,
-                                                       scan_layers=lm.scan_layers)))
+    (partial / "load.json").write_text(json.dumps(dict(
+        source=lm.source, scan_layers=lm.scan_layers,
+        config_class=type(lm.config).__name__)))
     if lm.tokenizer is not None:
       lm.tokenizer.save(partial)
     (partial / _DONE).write_text("")
@@ -80,16 +81,18 @@ def restore(folder: pathlib.Path, dtype):
   if not (folder / _DONE).is_file():
     return None
   import orbax.checkpoint as ocp
-  from kvjax.models.config import LlamaConfig, RopeScaling
-  from kvjax.models.llama import Llama
+  from kvjax.models.config import RopeScaling, config_class
+  from kvjax.models.lm import module_class
   from kvjax.models.tokenizer import Tokenizer
   values = json.loads((folder / "config.json").read_text())
   if values.get("rope_scaling") is not None:
     values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
-  config = LlamaConfig(**values)
   load = json.loads((folder / "load.json").read_text())
-  abstract = nnx.eval_shape(lambda: Llama(config, dtype=dtype, rngs=nnx.Rngs(0),
-                                          scan_layers=load["scan_layers"]))
+  # Entries written before Gemma 3 name no class: they are Llama configs.
+  config = config_class(load.get("config_class", "LlamaConfig"))(**values)
+  module = module_class(config)
+  abstract = nnx.eval_shape(lambda: module(config, dtype=dtype, rngs=nnx.Rngs(0),
+                                           scan_layers=load["scan_layers"]))
   graphdef, state = nnx.split(abstract)
   with ocp.StandardCheckpointer() as checkpointer:
     pure = checkpointer.restore((folder / "params").absolute())

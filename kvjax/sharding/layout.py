@@ -28,7 +28,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kvjax.cache.paged import PagedKVCache, _capacity_table
-from kvjax.models.llama import Llama
 from kvjax.sharding.mesh import DATA, MODEL, check_mesh, mesh_sizes
 
 # What one array of a program is, on the mesh -> its PartitionSpec (a prefix
@@ -90,9 +89,11 @@ def local_config(config, model_shards: int):
 
 
 def _local_graphdef(lm, model_shards: int):
+  from kvjax.models.lm import module_class  # pylint: disable=g-import-not-at-top
   config = local_config(lm.config, model_shards)
-  abstract = nnx.eval_shape(lambda: Llama(config, dtype=lm.dtype, rngs=nnx.Rngs(0),
-                                          scan_layers=lm.scan_layers))
+  module = module_class(config)  # Llama, or Gemma3 for a Gemma3Config
+  abstract = nnx.eval_shape(lambda: module(config, dtype=lm.dtype, rngs=nnx.Rngs(0),
+                                           scan_layers=lm.scan_layers))
   return nnx.split(abstract)[0]
 
 

@@ -1,0 +1,166 @@
+"""Gemma 3 (text) in Flax NNX, built from the Llama decoder's parts.
+
+What differs from kvjax.models.llama (see Gemma3Config): the embedding is
+scaled by sqrt(D); RMS norms wrap both attention and the MLP (before and
+after); the MLP is GeGLU with tanh-approximated GELU; q and k are RMS-normed
+per head; local layers (five of every six in Gemma 3) attend to their last
+``sliding_window`` positions and rotate with their own RoPE base; the logits
+may be soft-capped.
+
+Attention still goes through ``attend(state, layer, q, k, v)`` with the
+signature and shapes of kvjax.models.llama, so the paged cache plugs in
+unchanged. Queries are pre-scaled by sqrt(H / query_pre_attn_scalar) so that
+the hook's 1/sqrt(H) gives Gemma's 1/sqrt(query_pre_attn_scalar) (a factor of
+1 for every released Gemma 3 but the 27B). Which layers are local is static:
+``config.layer_windows[layer]`` (0 on global layers). The hook must apply
+that window itself; ``reference_attend`` does it for a cacheless forward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.cache.attention import causal_attention
+from kvjax.models import rope as rope_lib
+from kvjax.models.config import Gemma3Config, LlamaConfig
+from kvjax.models.llama import AttendFn, DecoderLayer, Llama, RMSNorm, matmul
+from kvjax.sharding import collectives
+
+
+def _pick(table: tuple, layer) -> jax.Array | bool:
+  """table[layer] for a Python int layer (unrolled) or a traced one (scanned)."""
+  if isinstance(layer, int):
+    return table[layer]
+  return jnp.asarray(table)[layer]
+
+
+class Gemma3DecoderLayer(DecoderLayer):
+  """x + post_norm(attn(norm(x))), then x + post_norm(GeGLU(norm(x)))."""
+
+  def __init__(self, config: Gemma3Config, *, dtype, rngs):
+    super().__init__(config, dtype=dtype, rngs=rngs)
+    d, eps = config.hidden_size, config.rms_norm_eps
+    self.post_attn_norm = RMSNorm(d, eps, dtype=dtype)
+    self.post_mlp_norm = RMSNorm(d, eps, dtype=dtype)
+
+  def __call__(self, x, cos, sin, state, layer, attend: AttendFn):
+    """As DecoderLayer's, with cos and sin [2, B, T, H]: the global then the local table."""
+    c = self.config
+    b, t, _ = x.shape
+    local = _pick(c.local_layers, layer)
+    if isinstance(local, bool):
+      cos, sin = cos[int(local)], sin[int(local)]
+    else:
+      cos, sin = jnp.where(local, cos[1], cos[0]), jnp.where(local, sin[1], sin[0])
+    q, k, v = self.qkv(self.attn_norm(x), cos, sin)
+    q_scale = math.sqrt(c.head_dim / c.query_pre_attn_scalar)
+    if q_scale != 1.0:
+      q = (q.astype(jnp.float32) * q_scale).astype(q.dtype)
+    state, attn = attend(state, layer, q, k, v)
+    # On a mesh each shard holds a partial sum: the post-norm comes after the sum.
+    out = collectives.model_sum(matmul(attn.reshape(b, t, -1), self.wo[...]))
+    x = x + self.post_attn_norm(out)
+    gate, up = jnp.split(matmul(self.mlp_norm(x), self.w_gate_up[...]), 2, axis=-1)
+    hidden = jax.nn.gelu(gate, approximate=True) * up
+    x = x + self.post_mlp_norm(collectives.model_sum(matmul(hidden, self.w_down[...])))
+    return x, state
+
+
+class Gemma3(Llama):
+  """Gemma 3 decoder: Llama's module with Gemma's layer, embedding scale, RoPE and logits."""
+
+  layer_class = Gemma3DecoderLayer
+
+  def __init__(self, config: Gemma3Config, **kwargs):
+    if not isinstance(config, Gemma3Config):
+      raise TypeError(f"Gemma3 needs a Gemma3Config, got {type(config).__name__}")
+    super().__init__(config, **kwargs)
+
+  def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+    x = super().embed_tokens(tokens)
+    # Rounded to the activations' dtype first, as Gemma's reference does.
+    return x * jnp.asarray(math.sqrt(self.config.hidden_size), x.dtype)
+
+  def rope_tables(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[2, B, T, H] cos and sin: global layers' base (index 0), local layers' (index 1)."""
+    tables = [rope_lib.cos_sin(self.config, positions, theta)
+              for theta in (self.config.rope_theta, self.config.rope_local_theta)]
+    return jnp.stack([c for c, _ in tables]), jnp.stack([s for _, s in tables])
+
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    logits = super().logits(hidden)
+    cap = self.config.final_logit_softcapping
+    if cap is not None:
+      logits = cap * jnp.tanh(logits / cap)
+    return logits
+
+
+def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int) -> jax.Array:
+  """Causal GQA attention where each query sees its last ``window`` positions (itself included).
+
+  q [B, T, N, H], k, v [B, T, K, H] -> [B, T, N, H], positions 0..T-1,
+  computed in float32 block by block: the queries of block c (``window``
+  tokens) see the keys of blocks c-1 and c, so memory is O(T * window), not
+  O(T^2). Right padding after a sequence's tokens is harmless, as for
+  ``causal_attention``: no valid query sees a later position.
+  """
+  b, t, n, h = q.shape
+  kv_heads = k.shape[2]
+  g = n // kv_heads
+  w = min(window, t)
+  blocks = -(-t // w)
+  pad = blocks * w - t
+  q32 = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0)))
+  qb = q32.reshape(b, blocks, w, kv_heads, g, h)
+
+  def key_blocks(x):  # [B, T, K, H] -> [B, C, 2W, K, H]: the previous block and this one
+    x = jnp.pad(x.astype(jnp.float32), ((0, 0), (w, pad), (0, 0), (0, 0)))
+    previous = x[:, :blocks * w].reshape(b, blocks, w, kv_heads, h)
+    current = x[:, w:].reshape(b, blocks, w, kv_heads, h)
+    return jnp.concatenate([previous, current], axis=2)
+
+  kb, vb = key_blocks(k), key_blocks(v)
+  scores = jnp.einsum("bcqkgh,bcskh->bckgqs", qb, kb) * (h ** -0.5)
+  start = jnp.arange(blocks)[:, None, None] * w
+  q_pos = start + jnp.arange(w)[None, :, None]  # [C, W, 1]
+  k_pos = start - w + jnp.arange(2 * w)[None, None, :]  # [C, 1, 2W]
+  allowed = (k_pos >= 0) & (k_pos <= q_pos) & (q_pos - k_pos < window)  # [C, W, 2W]
+  scores = jnp.where(allowed[None, :, None, None], scores, -jnp.inf)
+  probs = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum("bckgqs,bcskh->bcqkgh", probs, vb)
+  return out.reshape(b, blocks * w, n, h)[:, :t].astype(q.dtype)
+
+
+def reference_attend(config: LlamaConfig) -> AttendFn:
+  """The ``attend`` of a forward without a cache: causal, windowed on local layers.
+
+  Global layers (and every layer of a model without windows) use
+  ``kvjax.cache.causal_attention``; local ones ``local_attention``. Under
+  ``lax.scan`` the layer index is traced and ``lax.cond`` picks.
+  """
+  windows = config.layer_windows
+  sizes = {w for w in windows if w}
+  if not sizes:
+    return lambda state, layer, q, k, v: (state, causal_attention(q, k, v))
+  if len(sizes) > 1:
+    raise ValueError(f"local layers with different windows {sorted(sizes)} are not supported")
+  window = sizes.pop()
+
+  def full(q, k, v):
+    return causal_attention(q, k, v).astype(q.dtype)
+
+  def local(q, k, v):
+    return local_attention(q, k, v, window)
+
+  def attend(state, layer, q, k, v):
+    if q.shape[1] <= window:  # the window cannot bind
+      return state, full(q, k, v)
+    is_local = _pick(tuple(w > 0 for w in windows), layer)
+    if isinstance(is_local, bool):
+      return state, (local if is_local else full)(q, k, v)
+    return state, jax.lax.cond(is_local, local, full, q, k, v)
+
+  return attend
