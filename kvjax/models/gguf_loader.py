@@ -1,4 +1,4 @@
-"""Loads a Llama-architecture GGUF file into a LlamaConfig and canonical weights.
+"""Loads a Llama- or Gemma 3-architecture GGUF file into a config and canonical weights.
 
 The canonical weight dict is the one format every loader produces and the model
 consumes: float32 numpy arrays, layers stacked along a leading L axis, matrices
@@ -19,7 +19,18 @@ config.py):
   layers/w_down    [L, F, D]
 
 Query and key heads use the Hugging Face "rotate half" RoPE layout: llama.cpp
-interleaves the two RoPE halves of each head, and this loader undoes that.
+interleaves the two RoPE halves of each head of a Llama file, and this loader
+undoes that.
+
+A Gemma 3 file (general.architecture "gemma3") gives a Gemma3Config and, in
+addition, ``layers/q_norm`` and ``layers/k_norm`` [L, H] and
+``layers/post_attn_norm`` and ``layers/post_mlp_norm`` [L, D] (``mlp_norm`` is
+the norm before the MLP). llama.cpp keeps Gemma's rotate-half rows as they
+are (its NEOX RoPE), and stores every norm scale as applied (``1 + w``), which
+is how kvjax keeps them. Its matrices come in K-quant blocks (Q4_K, Q6_K) and
+Q5_0 / Q8_0, all dequantized with ``gguf.quants.dequantize``. What the file
+does not say, llama.cpp's defaults for the architecture give: every 6th layer
+global, local layers' RoPE base 10000, scores scaled by 1/sqrt(H).
 
 With ``packed=True`` the matrices stored in a block format that kvjax's
 kernels read (Q4_1, Q8_0: ``kvjax.kernels.quantized``) stay as the file's
@@ -41,7 +52,7 @@ import numpy as np
 
 from kvjax.kernels import quantized
 from kvjax.models import config as config_lib
-from kvjax.models.config import LlamaConfig, RopeScaling
+from kvjax.models.config import Gemma3Config, LlamaConfig, RopeScaling
 
 # Per-layer GGUF tensor stem -> canonical key. Every one is required.
 _LAYER_TENSORS = {
@@ -55,6 +66,18 @@ _LAYER_TENSORS = {
     "ffn_up": "layers/w_up",
     "ffn_down": "layers/w_down",
 }
+
+# Gemma 3's per-layer tensors beyond the Llama ones (attn_q_norm / attn_k_norm
+# ride on qk_norm).
+_GEMMA3_LAYER_TENSORS = {
+    "attn_q_norm": "layers/q_norm",
+    "attn_k_norm": "layers/k_norm",
+    "post_attention_norm": "layers/post_attn_norm",
+    "post_ffw_norm": "layers/post_mlp_norm",
+}
+
+# general.architecture values this loader reads.
+ARCHITECTURES = ("llama", "gemma3")
 
 # Metadata arrays that are large and already exposed through GGUFTokenizerData;
 # leaving them out of GGUFMetadata.fields keeps that dict small enough to print.
@@ -77,6 +100,8 @@ class GGUFTokenizerData:
   unk_id: int | None
   add_bos: bool  # whether llama.cpp prepends BOS when encoding a prompt
   chat_template: str | None  # jinja2 source shipped with the model
+  scores: tuple[float, ...] = ()  # V SentencePiece scores ("llama" model: BPE merge priority)
+  add_space_prefix: bool = True  # "llama" model: prepend "▁" to the text, as SentencePiece does
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +140,8 @@ def canonical_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     shapes.update({"layers/bq": (l, qd), "layers/bk": (l, kd), "layers/bv": (l, kd)})
   if config.qk_norm:
     shapes.update({"layers/q_norm": (l, config.head_dim), "layers/k_norm": (l, config.head_dim)})
+  if isinstance(config, Gemma3Config):
+    shapes.update({"layers/post_attn_norm": (l, d), "layers/post_mlp_norm": (l, d)})
   return shapes
 
 
@@ -147,8 +174,9 @@ def _field_value(field: gguf.ReaderField) -> Any:
 
 
 def _read_fields(reader: gguf.GGUFReader) -> dict[str, Any]:
+  # The bulky arrays are read once, by _tokenizer_data (262K entries for Gemma).
   return {name: _field_value(field) for name, field in reader.fields.items()
-          if not name.startswith("GGUF.")}
+          if not name.startswith("GGUF.") and name not in _BULKY_FIELDS}
 
 
 def _tokenizer_data(reader: gguf.GGUFReader, fields: dict[str, Any]) -> GGUFTokenizerData:
@@ -172,6 +200,8 @@ def _tokenizer_data(reader: gguf.GGUFReader, fields: dict[str, Any]) -> GGUFToke
       unk_id=opt_int("tokenizer.ggml.unknown_token_id"),
       add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
       chat_template=fields.get("tokenizer.chat_template"),
+      scores=tuple(float(x) for x in array("tokenizer.ggml.scores")),
+      add_space_prefix=bool(fields.get("tokenizer.ggml.add_space_prefix", True)),
   )
 
 
@@ -220,9 +250,9 @@ def _llama3_factors(scaling: RopeScaling, head_dim: int, theta: float) -> np.nda
 
 
 def _rope_scaling(fields: dict[str, Any], rope_freqs: np.ndarray | None, head_dim: int,
-                  theta: float, path: str) -> RopeScaling | None:
-  kind = fields.get("llama.rope.scaling.type", "none")
-  factor = fields.get("llama.rope.scaling.factor", 1.0)
+                  theta: float, path: str, arch: str = "llama") -> RopeScaling | None:
+  kind = fields.get(f"{arch}.rope.scaling.type", "none")
+  factor = fields.get(f"{arch}.rope.scaling.factor", 1.0)
   if kind not in ("none", "") and factor != 1.0:
     raise ValueError(
         f"{path}: rope scaling type {kind!r} (factor {factor}) is not supported; "
@@ -237,7 +267,7 @@ def _rope_scaling(fields: dict[str, Any], rope_freqs: np.ndarray | None, head_di
                      f"({head_dim // 2},), got {rope_freqs.shape}")
   if np.allclose(rope_freqs, 1.0):
     return None
-  orig = int(fields.get("llama.rope.scaling.original_context_length", 8192))
+  orig = int(fields.get(f"{arch}.rope.scaling.original_context_length", 8192))
   for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0)):
     candidate = RopeScaling(factor=float(rope_freqs.max()), low_freq_factor=low,
                             high_freq_factor=high, original_max_position_embeddings=orig)
@@ -247,7 +277,8 @@ def _rope_scaling(fields: dict[str, Any], rope_freqs: np.ndarray | None, head_di
                    f"scaling; got factors {rope_freqs.round(3).tolist()}")
 
 
-# LlamaConfig field -> the GGUF metadata key it is read from.
+# LlamaConfig field -> the GGUF metadata key it is read from (a Llama file's;
+# other architectures replace the "llama." prefix, ``_keys``).
 _KEYS = {
     "hidden_size": "llama.embedding_length",
     "num_layers": "llama.block_count",
@@ -263,24 +294,30 @@ _KEYS = {
 _REQUIRED = ("hidden_size", "num_layers", "num_heads", "intermediate_size")
 
 
+def _keys(arch: str) -> dict[str, str]:
+  """_KEYS for general.architecture ``arch``."""
+  return {field: key.replace("llama.", f"{arch}.", 1) for field, key in _KEYS.items()}
+
+
 def _config_values(meta: GGUFMetadata, vocab_size: int) -> dict[str, Any]:
   """LlamaConfig dimensions of the metadata, checked against the schema (config.py)."""
-  fields, path = meta.fields, meta.path
-  values = {field: fields[key] for field, key in _KEYS.items() if key in fields}
-  missing = [_KEYS[field] for field in _REQUIRED if field not in values]
+  fields, path, arch = meta.fields, meta.path, meta.architecture
+  keys = _keys(arch)
+  values = {field: fields[key] for field, key in keys.items() if key in fields}
+  missing = [keys[field] for field in _REQUIRED if field not in values]
   if missing:
     raise ValueError(f"{path}: metadata key {missing[0]!r} is missing")
   values["vocab_size"] = vocab_size
-  config_lib.check_fields(values, path, _KEYS)
+  config_lib.check_fields(values, path, keys)
   hidden, heads = values["hidden_size"], values["num_heads"]
   values.setdefault("num_kv_heads", heads)
   if "head_dim" not in values:
     if hidden % heads:
-      raise ValueError(f"{path}: llama.embedding_length ({hidden}) is not a multiple of "
-                       f"llama.attention.head_count ({heads}) and no key_length is given")
+      raise ValueError(f"{path}: {arch}.embedding_length ({hidden}) is not a multiple of "
+                       f"{arch}.attention.head_count ({heads}) and no key_length is given")
     values["head_dim"] = hidden // heads
-  config_lib.check_fields(values, path, _KEYS)  # the derived values too
-  rot_dim = fields.get("llama.rope.dimension_count", values["head_dim"])
+  config_lib.check_fields(values, path, keys)  # the derived values too
+  rot_dim = fields.get(f"{arch}.rope.dimension_count", values["head_dim"])
   if rot_dim != values["head_dim"]:
     raise ValueError(f"{path}: partial rotary embedding (rope.dimension_count "
                      f"{rot_dim!r} vs head_dim {values['head_dim']}) is not supported")
@@ -295,14 +332,45 @@ def _config(meta: GGUFMetadata, tensors: dict[str, gguf.ReaderTensor],
   # GGUF lists dimensions fastest-first, so the embedding reads [D, V].
   values = _config_values(meta, int(tensors["token_embd.weight"].shape[-1]))
   values["tie_embeddings"] = "output.weight" not in tensors
-  config_lib.check_size(values, path, _KEYS)
+  config_lib.check_size(values, path, _keys(meta.architecture))
   theta = float(values.pop("rope_theta", 10000.0))
-  return LlamaConfig(
-      **values,
-      rope_theta=theta,
-      rope_scaling=_rope_scaling(meta.fields, rope_freqs, values["head_dim"], theta, path),
-      name=str(meta.name),
-  )
+  scaling = _rope_scaling(meta.fields, rope_freqs, values["head_dim"], theta, path,
+                          meta.architecture)
+  if meta.architecture == "gemma3":
+    if scaling is not None:
+      raise ValueError(f"{path}: Gemma 3 with scaled RoPE is not supported")
+    return Gemma3Config(**values, rope_theta=theta, name=str(meta.name),
+                        **_gemma3_values(meta, values))
+  return LlamaConfig(**values, rope_theta=theta, rope_scaling=scaling, name=str(meta.name))
+
+
+def _gemma3_values(meta: GGUFMetadata, values: dict[str, Any]) -> dict[str, Any]:
+  """Gemma3Config's own fields, from the metadata or, where it is silent, llama.cpp's
+  defaults for the architecture (llama-model.cpp, LLM_ARCH_GEMMA3)."""
+  fields, path = meta.fields, meta.path
+  layers = values["num_layers"]
+  window = fields.get("gemma3.attention.sliding_window", 4096)
+  pattern = fields.get("gemma3.attention.sliding_window_pattern", 6)
+  if isinstance(pattern, list):  # per layer: true where the layer is local
+    if len(pattern) != layers or not all(isinstance(x, bool) for x in pattern):
+      raise ValueError(f"{path}: gemma3.attention.sliding_window_pattern must hold {layers} "
+                       f"booleans, got {pattern!r}")
+    layer_types = tuple(config_lib.SLIDING if x else config_lib.FULL for x in pattern)
+  elif config_lib.is_int(pattern) and pattern > 0:
+    layer_types = config_lib.gemma3_layer_types(layers, pattern)
+  else:
+    raise ValueError(f"{path}: gemma3.attention.sliding_window_pattern must be a positive "
+                     f"int or a list of booleans, got {pattern!r}")
+  # llama.cpp scales scores by 1/sqrt(H), except for the 27B model (62 layers),
+  # whose query_pre_attn_scalar is D / N.
+  scalar = values["head_dim"]
+  if layers == 62:
+    scalar = values["hidden_size"] // values["num_heads"]
+  cap = fields.get("gemma3.final_logit_softcapping")
+  return dict(sliding_window=window, layer_types=layer_types,
+              rope_local_theta=float(fields.get("gemma3.rope.freq_base_swa", 10000.0)),
+              query_pre_attn_scalar=float(scalar),
+              final_logit_softcapping=float(cap) if cap else None)
 
 
 def _stored_shapes(config: LlamaConfig, shapes: dict[str, tuple[int, ...]]
@@ -317,8 +385,15 @@ def _stored_shapes(config: LlamaConfig, shapes: dict[str, tuple[int, ...]]
   if not config.tie_embeddings:
     yield "output.weight", shapes["lm_head"][::-1]
   for i in range(config.num_layers):
-    for stem, key in _LAYER_TENSORS.items():
+    for stem, key in _layer_tensors(config).items():
       yield f"blk.{i}.{stem}.weight", shapes[key][1:][::-1]
+
+
+def _layer_tensors(config: LlamaConfig) -> dict[str, str]:
+  """Per-layer GGUF tensor stem -> canonical key, for this config."""
+  if isinstance(config, Gemma3Config):
+    return {**_LAYER_TENSORS, **_GEMMA3_LAYER_TENSORS}
+  return _LAYER_TENSORS
 
 
 def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
@@ -338,10 +413,10 @@ def _packable(tensor: gguf.ReaderTensor) -> bool:
 
 def load_gguf(path: str | os.PathLike, *, packed: bool = False
               ) -> tuple[LlamaConfig, dict[str, np.ndarray], GGUFMetadata]:
-  """Reads a Llama GGUF file into canonical weights (float32, or packed blocks).
+  """Reads a Llama or Gemma 3 GGUF file into canonical weights (float32, or packed blocks).
 
   Args:
-    path: a .gguf file whose general.architecture is "llama".
+    path: a .gguf file whose general.architecture is "llama" or "gemma3".
     packed: keep Q4_1 / Q8_0 matrices as their blocks (see the module docstring).
 
   Returns:
@@ -362,9 +437,9 @@ def load_gguf(path: str | os.PathLike, *, packed: bool = False
   # objects for a 49K vocabulary) are in ``meta`` now: drop them before the
   # weights are read, or loading peaks that much higher.
   reader.fields.clear()
-  if meta.architecture != "llama":
+  if meta.architecture not in ARCHITECTURES:
     raise ValueError(f"{path}: architecture {meta.architecture!r} is not supported; "
-                     "kvjax loads only 'llama' GGUF files")
+                     f"kvjax loads {' and '.join(repr(a) for a in ARCHITECTURES)} GGUF files")
   tensors = {t.name: t for t in reader.tensors}
   rope_freqs = _dequantize(tensors["rope_freqs.weight"]) if "rope_freqs.weight" in tensors else None
   config = _config(meta, tensors, rope_freqs)
@@ -406,7 +481,8 @@ def load_gguf(path: str | os.PathLike, *, packed: bool = False
     weights["lm_head"] = head if keep else head.T.copy()
 
   # Fill stacks layer by layer so peak memory stays near one copy.
-  for stem, key in _LAYER_TENSORS.items():
+  interleaved = meta.architecture == "llama"  # llama.cpp's pairwise RoPE rows (not Gemma's)
+  for stem, key in _layer_tensors(config).items():
     per_layer = shapes[key][1:]
     names = [f"blk.{i}.{stem}.weight" for i in range(config.num_layers)]
     keep = len(per_layer) == 2 and keep_packed(names)
@@ -414,9 +490,9 @@ def load_gguf(path: str | os.PathLike, *, packed: bool = False
       # GGUF matrices are [out, in] (canonical float ones [in, out]); RoPE rows
       # are reordered before the transpose.
       w = fetch(name, per_layer[::-1], keep)
-      if stem == "attn_q":
+      if interleaved and stem == "attn_q":
         w = unpermute_rope_rows(w, config.num_heads)
-      elif stem == "attn_k":
+      elif interleaved and stem == "attn_k":
         w = unpermute_rope_rows(w, config.num_kv_heads)
       w = w if keep else w.T
       if i == 0:
