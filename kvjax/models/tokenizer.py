@@ -6,6 +6,16 @@ the file) or from a `tokenizer.json` of a Hugging Face checkpoint folder; a
 folder with only a SentencePiece `tokenizer.model` is read with `sentencepiece`
 (`kvjax.models.sentencepiece_backend`).
 
+A GGUF "llama" tokenizer (Gemma's) is a SentencePiece BPE model stored as
+pieces, scores and types: two adjacent pieces merge, highest-scoring merged
+piece first, and characters outside the vocabulary fall back to byte pieces.
+It becomes a `tokenizers` BPE with one merge per way of splitting each piece
+into two pieces, ranked by the piece's score (as transformers converts a
+SentencePiece BPE model), control and user-defined pieces as added tokens
+matched whole in the text (as llama.cpp does). transformers' own GGUF reader
+makes a Unigram model of those scores instead, which splits words into more
+pieces than the model was trained on ("▁world" as "▁w", "or", "ld").
+
 GGUF byte-level BPE tokenizers name their pre-tokenizer in `tokenizer.ggml.pre`
 (llama.cpp's list of regexes). Each supported name maps to the equivalent
 `tokenizers` pre-tokenizer, so ids equal those of the original Hugging Face
@@ -26,12 +36,13 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 from kvjax.models.gguf_loader import GGUFMetadata, GGUFTokenizerData, read_gguf_metadata
 from kvjax.models.sentencepiece_backend import SentencePieceBackend
 
 # llama.cpp token types (enum llama_token_type).
+_TOKEN_TYPE_NORMAL = 1
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
 
@@ -73,6 +84,51 @@ def _gguf_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
   raise ValueError(
       f"GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; known: "
       "smollm, starcoder, refact, gpt-2, llama-bpe, qwen2")
+
+
+def _sentencepiece_bpe(data: GGUFTokenizerData) -> tokenizers.Tokenizer:
+  """The `tokenizers` BPE equivalent of a GGUF "llama" (SentencePiece BPE) vocabulary."""
+  tokens, scores = data.tokens, data.scores
+  if not tokens or len(scores) != len(tokens):
+    raise ValueError(f"GGUF metadata has {len(tokens)} tokenizer.ggml.tokens and "
+                     f"{len(scores)} tokenizer.ggml.scores; a SentencePiece vocabulary "
+                     "needs a score per token")
+  if data.add_space_prefix:
+    raise ValueError("GGUF SentencePiece tokenizers with tokenizer.ggml.add_space_prefix "
+                     "true (Llama 2, Mistral) are not supported; Gemma's has false")
+  types = data.token_types or (_TOKEN_TYPE_NORMAL,) * len(tokens)
+  vocab = {token: i for i, token in enumerate(tokens)}
+  ranked = []  # (piece score, piece id, left, right)
+  for i, (piece, kind) in enumerate(zip(tokens, types)):
+    if kind != _TOKEN_TYPE_NORMAL:  # SentencePiece merges into normal pieces only
+      continue
+    for cut in range(1, len(piece)):
+      left, right = piece[:cut], piece[cut:]
+      if left in vocab and right in vocab:
+        ranked.append((-scores[i], i, vocab[left], left, right))
+  ranked.sort()
+  merges = [(left, right) for *_, left, right in ranked]
+  unk = data.unk_id if data.unk_id is not None else 0
+  backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True,
+                                            unk_token=tokens[unk], fuse_unk=True))
+  backend.normalizer = normalizers.Replace(" ", "\u2581")
+  backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                       decoders.Fuse()])
+  _add_typed_tokens(backend, tokens, types)
+  return backend
+
+
+def _add_typed_tokens(backend: tokenizers.Tokenizer, tokens: Sequence[str],
+                      types: Sequence[int]) -> None:
+  """Control tokens (<|im_start|>, <start_of_turn>...) are matched whole in text and
+  dropped when decoding with skip_special_tokens; user-defined ones are only matched."""
+  backend.add_special_tokens([
+      tokenizers.AddedToken(t, special=True, normalized=False)
+      for t, kind in zip(tokens, types) if kind == _TOKEN_TYPE_CONTROL])
+  user = [tokenizers.AddedToken(t, special=False, normalized=False)
+          for t, kind in zip(tokens, types) if kind == _TOKEN_TYPE_USER_DEFINED]
+  if user:
+    backend.add_tokens(user)
 
 
 def _token_content(value: Any) -> str | None:
@@ -210,28 +266,23 @@ class Tokenizer:
     origin = "GGUF metadata"
     if isinstance(data, GGUFMetadata):
       origin, data = data.path, data.tokenizer
-    if data.model != "gpt2":
+    if data.model == "llama":
+      backend = _sentencepiece_bpe(data)
+    elif data.model != "gpt2":
       raise ValueError(
           f"GGUF tokenizer model {data.model!r} (tokenizer.ggml.model) is not supported; "
-          "kvjax reads byte-level BPE ('gpt2') tokenizers from GGUF")
-    if not data.tokens or not data.merges:
-      raise ValueError("GGUF metadata has no tokenizer.ggml.tokens or tokenizer.ggml.merges")
-    vocab = {token: i for i, token in enumerate(data.tokens)}
-    # A merge is "left right"; byte-level tokens never contain a plain space.
-    merges = [tuple(m.split(" ", 1)) for m in data.merges]
-    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    backend.pre_tokenizer = _gguf_pre_tokenizer(data.pre)
-    backend.decoder = decoders.ByteLevel()
-    # Control tokens (<|im_start|>...) must be matched whole in text and dropped
-    # when decoding with skip_special_tokens; user-defined ones are only matched.
-    types = data.token_types or (1,) * len(data.tokens)
-    backend.add_special_tokens([
-        tokenizers.AddedToken(t, special=True, normalized=False)
-        for t, kind in zip(data.tokens, types) if kind == _TOKEN_TYPE_CONTROL])
-    user = [tokenizers.AddedToken(t, special=False, normalized=False)
-            for t, kind in zip(data.tokens, types) if kind == _TOKEN_TYPE_USER_DEFINED]
-    if user:
-      backend.add_tokens(user)
+          "kvjax reads byte-level BPE ('gpt2') and SentencePiece BPE ('llama') tokenizers "
+          "from GGUF")
+    else:
+      if not data.tokens or not data.merges:
+        raise ValueError("GGUF metadata has no tokenizer.ggml.tokens or tokenizer.ggml.merges")
+      vocab = {token: i for i, token in enumerate(data.tokens)}
+      # A merge is "left right"; byte-level tokens never contain a plain space.
+      merges = [tuple(m.split(" ", 1)) for m in data.merges]
+      backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+      backend.pre_tokenizer = _gguf_pre_tokenizer(data.pre)
+      backend.decoder = decoders.ByteLevel()
+      _add_typed_tokens(backend, data.tokens, data.token_types or (1,) * len(data.tokens))
     return cls(backend, _Specials(bos_id=data.bos_id, eos_id=data.eos_id,
                                   pad_id=data.pad_id, add_bos=data.add_bos,
                                   chat_template=data.chat_template,
