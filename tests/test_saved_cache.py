@@ -18,6 +18,7 @@ import pytest
 import kvjax
 from kvjax import policies
 from kvjax.cache import checkpoint
+from kvjax.generation import programs
 
 CONFIG = kvjax.LlamaConfig(
     vocab_size=97, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -83,13 +84,21 @@ def test_answers_from_a_loaded_cache_are_generates(lm, document, name, tmp_path)
   np.testing.assert_array_equal(loaded.cache.lengths, kvjax.load_cache(path).cache.lengths)
 
 
-def test_ragged_documents_answer_together(lm, document, tmp_path):
+def test_ragged_documents_answer_together_without_a_prefill(lm, document, tmp_path,
+                                                            monkeypatch):
   documents = [document, document[40:150]]
   kw = dict(policy="snapkv", budget=BUDGET)
   context = kvjax.load_cache(kvjax.save_cache(tmp_path / "docs", kvjax.compress(
       lm, documents, **kw)), lm)
   assert context.lengths.tolist() == [181, 110]
-  got, = kvjax.answer(lm, context, QUESTIONS[0], max_new_tokens=NEW, stop_ids=[])
+
+  def prefilled(*args, **kwargs):
+    raise AssertionError("answer ran a prefill program")
+
+  with monkeypatch.context() as patch:
+    for name in ("prefill", "record", "store", "prefill_chunk"):
+      patch.setattr(programs, name, prefilled)
+    got, = kvjax.answer(lm, context, QUESTIONS[0], max_new_tokens=NEW, stop_ids=[])
   want = kvjax.generate(lm, documents, questions=[QUESTIONS[0]] * 2, query_aware=False,
                         max_new_tokens=NEW, stop_ids=[], **kw)
   assert got.token_ids == want.token_ids
@@ -234,3 +243,17 @@ def test_a_whole_page_policy_refuses_more_than_its_room(lm, document):
   context = kvjax.compress(lm, [document], policy="adakv", budget=BUDGET, room=ROOM)
   with pytest.raises(ValueError, match=f"need {64 + NEW + 1}: compress with a larger room"):
     kvjax.answer(lm, context, QUESTIONS[0], max_new_tokens=NEW + 1)
+
+
+@pytest.mark.slow
+def test_a_chat_turn_is_answered_as_generate_answers_it(smollm2_lm, tmp_path):
+  doc = kvjax.tasks.example_document()
+  kw = dict(policy="snapkv", budget=256)
+  context = kvjax.compress(smollm2_lm, doc.text, chat_template=True, **kw)
+  loaded = kvjax.load_cache(kvjax.save_cache(tmp_path / "doc", context), smollm2_lm)
+  assert loaded.chat_template
+  got, = kvjax.answer(smollm2_lm, loaded, doc.question, max_new_tokens=16)
+  want = kvjax.generate(smollm2_lm, [doc.text], questions=[doc.question], chat_template=True,
+                        query_aware=False, max_new_tokens=16, **kw)
+  assert got.token_ids == want.token_ids
+  assert got.texts == want.texts
