@@ -156,8 +156,14 @@ def test_unsupported_gguf_tokenizers_are_rejected(gguf_path):
   data = read_gguf_metadata(gguf_path).tokenizer
   with pytest.raises(ValueError, match="'tekken'"):
     tokenizer_lib.Tokenizer.from_gguf_metadata(dataclasses.replace(data, pre="tekken"))
-  with pytest.raises(ValueError, match="'llama'"):
+  with pytest.raises(ValueError, match="'bert'"):
+    tokenizer_lib.Tokenizer.from_gguf_metadata(dataclasses.replace(data, model="bert"))
+  # SentencePiece ('llama', Gemma's) needs a score per token; this vocabulary has none.
+  with pytest.raises(ValueError, match="0 tokenizer.ggml.scores"):
     tokenizer_lib.Tokenizer.from_gguf_metadata(dataclasses.replace(data, model="llama"))
+  with pytest.raises(ValueError, match="add_space_prefix"):
+    tokenizer_lib.Tokenizer.from_gguf_metadata(dataclasses.replace(
+        data, model="llama", scores=(0.0,) * len(data.tokens), add_space_prefix=True))
 
 
 def test_no_chat_template_is_an_error(gguf_path):
