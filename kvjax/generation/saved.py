@@ -45,7 +45,7 @@ from kvjax.models.lm import LanguageModel
 DEFAULT_ROOM = 128
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class CompressedContext:
   """Documents prefilled and compressed by a policy, ready for questions (``answer``)."""
 
