@@ -37,7 +37,7 @@ from kvjax.generation import api
 from kvjax.generation import inputs
 from kvjax.generation import plan as plan_lib
 from kvjax.generation.compile import Clock
-from kvjax.models.config import LlamaConfig, RopeScaling
+from kvjax.models.config import LlamaConfig, RopeScaling, config_class
 from kvjax.models.lm import LanguageModel
 
 # What a question and its answer take per head unless compress is told otherwise:
@@ -285,6 +285,7 @@ def save_cache(path: str | os.PathLike, context: CompressedContext, *,
   extra = dict(
       kvjax_version=__version__,
       model=dict(name=context.config.name, source=context.source,
+                 config_class=type(context.config).__name__,
                  config=dataclasses.asdict(context.config)),
       policy=_policy_json(context.policy), budget=context.budget, room=int(context.room),
       lengths=[int(n) for n in context.lengths], prompt_len=int(context.prompt_len),
@@ -313,7 +314,7 @@ def load_cache(path: str | os.PathLike, lm: LanguageModel | None = None) -> Comp
                      f"kvjax.save_cache (its metadata lacks {sorted(missing)})")
   try:
     model = extra["model"]
-    config = _config_from_json(model["config"])
+    config = _config_from_json(model.get("config_class", "LlamaConfig"), model["config"])
     policy = _policy_from_json(extra["policy"])
     lengths = np.asarray(extra["lengths"], np.int32)
   except (KeyError, TypeError, ValueError) as e:
@@ -338,11 +339,15 @@ def load_cache(path: str | os.PathLike, lm: LanguageModel | None = None) -> Comp
 
 def check_model(lm: LanguageModel, config: LlamaConfig, source: str, where: str) -> None:
   """Raises ValueError unless ``lm`` has ``config`` (the model a cache was made with)."""
-  if lm.config == config:
+  if lm.config == config and type(lm.config) is type(config):
     return
-  differ = [f"{f.name} {getattr(config, f.name)!r} (model {getattr(lm.config, f.name)!r})"
-            for f in dataclasses.fields(LlamaConfig)
-            if getattr(config, f.name) != getattr(lm.config, f.name)]
+  differ = [f"{f.name} {getattr(config, f.name, None)!r} "
+            f"(model {getattr(lm.config, f.name, None)!r})"
+            for f in dataclasses.fields(config) + dataclasses.fields(lm.config)
+            if getattr(config, f.name, None) != getattr(lm.config, f.name, None)]
+  if type(lm.config) is not type(config):
+    differ.insert(0, f"a {type(config).__name__} (model {type(lm.config).__name__})")
+  differ = list(dict.fromkeys(differ))
   raise ValueError(f"{where} holds a cache of model {config.name!r} ({source or 'unknown'}), "
                    f"not of this model {lm.config.name!r} ({lm.source or 'unknown'}): "
                    f"{'; '.join(differ)}")
@@ -372,7 +377,7 @@ def _policy_from_json(data: dict[str, Any]) -> policies_lib.Policy:
   return policies_lib.get(data["name"], **fields)
 
 
-def _config_from_json(data: dict[str, Any]) -> LlamaConfig:
+def _config_from_json(class_name: str, data: dict[str, Any]) -> LlamaConfig:
   scaling = data.get("rope_scaling")
-  return LlamaConfig(**{**data, "rope_scaling": None if scaling is None
-                        else RopeScaling(**scaling)})
+  return config_class(class_name)(**{**data, "rope_scaling": None if scaling is None
+                                     else RopeScaling(**scaling)})
