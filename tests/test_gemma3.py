@@ -109,6 +109,13 @@ def test_random_gemma3_greedy_tokens_within_the_window_match_transformers():
   assert kvjax.generate(lm, prompt, max_new_tokens=8, stop_ids=[]).token_ids[0] == hf
 
 
+def test_generation_past_the_window_is_refused():
+  lm = _kvjax_from_hf(_hf_model(sliding_window=16), scan_layers=True)
+  kvjax.generate(lm, [[1] * 10], max_new_tokens=6, stop_ids=[])  # 16 tokens: fits
+  with pytest.raises(ValueError, match="sliding-window layers of 16 tokens.*got 17"):
+    kvjax.generate(lm, [[1] * 10], max_new_tokens=7, stop_ids=[])
+
+
 @pytest.mark.parametrize("window, t", [(4, 13), (8, 8), (16, 5), (1, 6)])
 def test_local_attention_equals_a_masked_softmax(window, t):
   rng = np.random.default_rng(0)

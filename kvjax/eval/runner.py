@@ -327,7 +327,8 @@ def _generate(lm, cfg: EvalConfig, runs, sample: Sample):
   import kvjax
   tok = lm.tokenizer
   results = kvjax.generate_each(
-      lm, [tok.encode(sample.context)], runs, questions=[tok.encode(sample.question)],
+      lm, [tok.encode(sample.context, add_bos=None)], runs,
+      questions=[tok.encode(sample.question)],
       query_aware=cfg.query_aware, max_new_tokens=cfg.max_new_tokens or sample.max_new_tokens,
       backend=cfg.backend, page_size=cfg.page_size, prefill_chunk=cfg.prefill_chunk,
       mesh=_mesh(cfg.mesh))

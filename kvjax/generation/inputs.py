@@ -215,12 +215,17 @@ def _chat_turns(lm: LanguageModel, prompts: list, questions: list | None):
 
 
 def _tokenize(lm: LanguageModel, prompts: list, name: str) -> list[list[int]]:
-  """Token ids of each prompt: strings encoded, id lists checked (ints in the vocabulary)."""
+  """Token ids of each prompt: strings encoded, id lists checked (ints in the vocabulary).
+
+  A prompt string starts with BOS where the model's tokenizer says so (Gemma);
+  a question, appended after it, never does.
+  """
   ids = []
   vocab = lm.config.vocab_size
   for i, p in enumerate(prompts):
     if isinstance(p, str):
-      row = lm.require_tokenizer(f"{name} {i} (a string)").encode(p)
+      row = lm.require_tokenizer(f"{name} {i} (a string)").encode(
+          p, add_bos=None if name == "prompt" else False)
     else:
       row = _token_ids(p, f"{name} {i}", vocab)
     if not row:

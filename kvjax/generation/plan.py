@@ -81,10 +81,23 @@ class RunPlan:
   new_cache: Callable[[], PagedKVCache]  # the run's empty cache
 
 
+def check_windows(cfg, tokens: int) -> None:
+  """Raises ValueError where a sliding-window layer (Gemma 3's local layers) would need
+  its window: the paged cache's attention does not mask by window yet, so such a
+  model generates exactly only while prompt, question and new tokens fit in it."""
+  windows = [w for w in cfg.layer_windows if w]
+  if windows and tokens > min(windows):
+    raise ValueError(f"{cfg.name} has sliding-window layers of {min(windows)} "
+                     f"tokens, which kvjax's paged cache does not hold yet: a run may take at "
+                     f"most {min(windows)} tokens (prompt + question + new), got {tokens}")
+
+
 def plan_run(lm: LanguageModel, batch: Batch, policy: policies_lib.Policy, budget: int | None,
              options: Options, recorded: Recorded | None) -> RunPlan:
   """The plan of one run (``recorded``: the shared forward pass, if the runs share one)."""
   cfg = lm.config
+  check_windows(cfg, int(batch.lengths.max() + batch.question_lengths.max())
+                + options.max_new_tokens)
   policy = policy.for_cache(page_size=options.page_size,
                             grow=batch.question_len + options.max_new_tokens)
   budgets = policy.layer_budgets(budget, batch.prompt_len, cfg.num_layers)

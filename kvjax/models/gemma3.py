@@ -164,3 +164,8 @@ def reference_attend(config: LlamaConfig) -> AttendFn:
     return state, jax.lax.cond(is_local, local, full, q, k, v)
 
   return attend
+
+
+def module_class(config: LlamaConfig) -> type[Llama]:
+  """The Flax module that runs ``config``: Gemma3 for a Gemma3Config, else Llama."""
+  return Gemma3 if isinstance(config, Gemma3Config) else Llama

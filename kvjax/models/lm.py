@@ -18,7 +18,7 @@ from kvjax import backend as backend_lib
 from kvjax import host_memory
 from kvjax.kernels import quantized
 from kvjax.models.config import Gemma3Config, LlamaConfig
-from kvjax.models.gemma3 import Gemma3, reference_attend
+from kvjax.models.gemma3 import module_class, reference_attend
 from kvjax.models.llama import Llama, default_scan_layers
 
 # Module parameters that hold several canonical weights (the names the
@@ -197,11 +197,6 @@ def _params_from(config: LlamaConfig, weights: dict, dtype, scan_layers: bool | 
       del weights[name]
   nnx.replace_by_pure_dict(state, pure)
   return graphdef, state
-
-
-def module_class(config: LlamaConfig) -> type[Llama]:
-  """The Flax module that runs ``config``: Gemma3 for a Gemma3Config, else Llama."""
-  return Gemma3 if isinstance(config, Gemma3Config) else Llama
 
 
 def _output_axis(w: np.ndarray) -> int:

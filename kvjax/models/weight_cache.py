@@ -82,7 +82,7 @@ def restore(folder: pathlib.Path, dtype):
     return None
   import orbax.checkpoint as ocp
   from kvjax.models.config import RopeScaling, config_class
-  from kvjax.models.lm import module_class
+  from kvjax.models.gemma3 import module_class
   from kvjax.models.tokenizer import Tokenizer
   values = json.loads((folder / "config.json").read_text())
   if values.get("rope_scaling") is not None:

@@ -89,7 +89,7 @@ def local_config(config, model_shards: int):
 
 
 def _local_graphdef(lm, model_shards: int):
-  from kvjax.models.lm import module_class  # pylint: disable=g-import-not-at-top
+  from kvjax.models.gemma3 import module_class  # pylint: disable=g-import-not-at-top
   config = local_config(lm.config, model_shards)
   module = module_class(config)  # Llama, or Gemma3 for a Gemma3Config
   abstract = nnx.eval_shape(lambda: module(config, dtype=lm.dtype, rngs=nnx.Rngs(0),
