@@ -281,9 +281,9 @@ def save_cache(path: str | os.PathLike, context: CompressedContext, *,
   Raises:
     ValueError: ``path`` taken, or a policy field that JSON cannot hold.
   """
-  from kvjax import __version__  # pylint: disable=g-import-not-at-top
+  from importlib import metadata  # pylint: disable=g-import-not-at-top
   extra = dict(
-      kvjax_version=__version__,
+      kvjax_version=metadata.version("kvjax"),
       model=dict(name=context.config.name, source=context.source,
                  config_class=type(context.config).__name__,
                  config=dataclasses.asdict(context.config)),
