@@ -7,6 +7,8 @@ valid positions only.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -135,3 +137,20 @@ def run_under_sanitizers(harness, sanitizers: str):
                     "-I", jax.ffi.include_dir(), "-I", str(native.SOURCES[0].parent),
                     str(harness), "-o", str(exe)], check=True, capture_output=True, timeout=600)
     return subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+
+
+def policy_for(name: str, config, folder: str | pathlib.Path, delimiter_ids=(5, 6, 7)):
+  """Policy ``name`` with what it needs to run on a model of ``config``: ``delimiter_ids``
+  for the policies that cut at delimiters, and for ``duo`` gates of the model's shape
+  (decreasing) written to ``folder``/gates."""
+  from kvjax import policies  # pylint: disable=g-import-not-at-top
+  if name == "duo":
+    from kvjax.retrieval_heads import save_gates  # pylint: disable=g-import-not-at-top
+    shape = (config.num_layers, config.num_kv_heads)
+    gates = np.linspace(1.0, 0.0, np.prod(shape), dtype=np.float32).reshape(shape)
+    path = pathlib.Path(folder) / "gates"
+    save_gates(path, gates, model=config.name, n_sink=4, recent=60, steps=1, losses=[0.0])
+    return policies.get(name, gates=str(path))
+  fields = {f.name for f in dataclasses.fields(type(policies.get(name)))}
+  return policies.get(name, **({"delimiter_ids": tuple(delimiter_ids)}
+                               if "delimiter_ids" in fields else {}))

@@ -15,7 +15,6 @@ prompt shared by several runs, and the Llama-3.2-1B shape.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib.util
 import pathlib
@@ -28,6 +27,7 @@ from flax import nnx
 
 import kvjax
 from kvjax import policies
+from kvjax import testing
 from kvjax.generation import compile as compile_lib
 from kvjax.kernels import platform
 from kvjax.models.llama import Llama
@@ -60,16 +60,7 @@ def _abstract_model(config_name: str, scan_layers: bool) -> LanguageModel:
 
 
 def _policy(name: str, config, folder: pathlib.Path):
-  if name == "duo":  # gates of the model's shape, written to ``folder``
-    from kvjax.retrieval_heads import save_gates
-    shape = (config.num_layers, config.num_kv_heads)
-    gates = np.linspace(1.0, 0.0, np.prod(shape), dtype=np.float32).reshape(shape)
-    save_gates(folder / "gates", gates, model="abstract", n_sink=4, recent=60, steps=1,
-               losses=[0.0])
-    return policies.get(name, gates=str(folder / "gates"))
-  fields = {f.name for f in dataclasses.fields(type(policies.get(name)))}
-  return policies.get(name, delimiter_ids=DELIMITERS) if "delimiter_ids" in fields \
-      else policies.get(name)
+  return testing.policy_for(name, config, folder, DELIMITERS)
 
 
 class _StandIn:

@@ -17,6 +17,7 @@ import pytest
 
 import kvjax
 from kvjax import policies
+from kvjax import testing
 from kvjax.cache import checkpoint
 from kvjax.generation import programs
 
@@ -47,16 +48,7 @@ QUESTIONS = ([11, 12, 13, 14, 15, 16, 17, 18, 19], [40, 41, 42, 43])
 
 
 def _policy(name: str, folder: pathlib.Path):
-  if name == "duo":  # gates of the tiny model's shape
-    from kvjax.retrieval_heads import save_gates
-    shape = (CONFIG.num_layers, CONFIG.num_kv_heads)
-    gates = np.linspace(1.0, 0.0, np.prod(shape), dtype=np.float32).reshape(shape)
-    save_gates(folder / "gates", gates, model="tiny", n_sink=4, recent=60, steps=1,
-               losses=[0.0])
-    return policies.get(name, gates=str(folder / "gates"))
-  fields = {f.name for f in dataclasses.fields(type(policies.get(name)))}
-  return policies.get(name, delimiter_ids=DELIMITERS) if "delimiter_ids" in fields \
-      else policies.get(name)
+  return testing.policy_for(name, CONFIG, folder, DELIMITERS)
 
 
 def _budget(name: str) -> int | None:
