@@ -37,9 +37,27 @@ ARRAYS = ("k_pages", "v_pages", "positions", "scores", "page_table", "lengths", 
           "num_free")
 
 
-def _checkpointer():
+def checkpointer():
+  """(orbax.checkpoint, a checkpointer of composite items): orbax loads on first use."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   return ocp, ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+
+
+def restore_items(path: pathlib.Path, corrupt: str, **items: str) -> dict:
+  """The composite items of the orbax folder ``path``, each "array" or "json".
+
+  Raises:
+    ValueError: ``corrupt`` and the cause, where orbax cannot read them (orbax
+      and tensorstore raise many types for files missing or cut short).
+  """
+  ocp, reader = checkpointer()
+  kinds = {"array": ocp.args.StandardRestore, "json": ocp.args.JsonRestore}
+  try:
+    with reader:
+      return reader.restore(path, args=ocp.args.Composite(
+          **{name: kinds[kind]() for name, kind in items.items()}))
+  except Exception as e:  # pylint: disable=broad-except
+    raise ValueError(f"{corrupt}: {type(e).__name__}: {' '.join(str(e).split())[:300]}") from e
 
 
 def _crc32(array: np.ndarray) -> int:
@@ -82,10 +100,10 @@ def save(path: str | os.PathLike, cache: PagedKVCache, *, extra: dict[str, Any] 
               for name, a in arrays.items()},
       extra=dict(extra or {}))
   path.parent.mkdir(parents=True, exist_ok=True)
-  ocp, checkpointer = _checkpointer()
+  ocp, writer = checkpointer()
   try:
-    with checkpointer:
-      checkpointer.save(path, args=ocp.args.Composite(
+    with writer:
+      writer.save(path, args=ocp.args.Composite(
           cache=ocp.args.StandardSave(arrays), metadata=ocp.args.JsonSave(metadata)),
                         force=True)
   except TypeError as e:  # json's message for a value it cannot write
@@ -118,13 +136,8 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
                        "its metadata item is missing")
     raise ValueError(f"{path} is not a saved KV cache: it holds no 'cache' and 'metadata' "
                      f"items (it holds {sorted(p.name for p in path.iterdir())[:8]})")
-  ocp, checkpointer = _checkpointer()
-  try:
-    with checkpointer:
-      metadata = checkpointer.restore(path, args=ocp.args.Composite(
-          metadata=ocp.args.JsonRestore()))["metadata"]
-  except Exception as e:  # pylint: disable=broad-except
-    raise _corrupt(path, "its metadata cannot be read", e) from e
+  metadata = restore_items(path, f"{_INCOMPLETE.format(path=path)}: its metadata cannot be read",
+                           metadata="json")["metadata"]
   if not isinstance(metadata, dict) or metadata.get("kind") != KIND:
     raise ValueError(f"{path} is not a saved KV cache: its metadata is not kvjax's "
                      f"(kind {metadata.get('kind') if isinstance(metadata, dict) else None!r})")
@@ -147,15 +160,9 @@ def load(path: str | os.PathLike) -> tuple[PagedKVCache, dict[str, Any]]:
   if not (path / "cache").exists():
     raise ValueError(f"{path} is not a complete saved KV cache (truncated or corrupt): its "
                      "cache item is missing")
-  ocp, checkpointer = _checkpointer()
-  try:
-    with checkpointer:
-      arrays = checkpointer.restore(path, args=ocp.args.Composite(
-          cache=ocp.args.StandardRestore()))["cache"]
-    arrays = {name: np.asarray(a) for name, a in dict(arrays).items()}
-  except Exception as e:  # pylint: disable=broad-except
-    # orbax and tensorstore raise many types for files missing or cut short.
-    raise _corrupt(path, "its arrays cannot be read", e) from e
+  arrays = restore_items(path, f"{_INCOMPLETE.format(path=path)}: its arrays cannot be read",
+                         cache="array")["cache"]
+  arrays = {name: np.asarray(a) for name, a in dict(arrays).items()}
   try:
     specs = metadata["arrays"]
     if sorted(arrays) != sorted(ARRAYS) or sorted(specs) != sorted(ARRAYS):
@@ -182,6 +189,9 @@ def load(path: str | os.PathLike) -> tuple[PagedKVCache, dict[str, Any]]:
   return cache, dict(metadata.get("extra") or {})
 
 
+_INCOMPLETE = "{path} is not a complete saved KV cache (truncated or corrupt)"
+
+
 def _corrupt(path: pathlib.Path, what: str, error: Exception) -> ValueError:
-  return ValueError(f"{path} is not a complete saved KV cache (truncated or corrupt): {what}: "
+  return ValueError(f"{_INCOMPLETE.format(path=path)}: {what}: "
                     f"{type(error).__name__}: {' '.join(str(error).split())[:300]}")

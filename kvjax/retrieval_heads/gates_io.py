@@ -21,13 +21,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from kvjax.cache import checkpoint
+
 FORMAT = 1  # bump when what is saved changes
 SHIPPED = pathlib.Path(__file__).resolve().parent / "gates"
-
-
-def _checkpointer():
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  return ocp, ocp.Checkpointer(ocp.CompositeCheckpointHandler())
 
 
 def save_gates(path: str | os.PathLike, gates, *, model: str, n_sink: int, recent: int,
@@ -59,7 +56,7 @@ def save_gates(path: str | os.PathLike, gates, *, model: str, n_sink: int, recen
                   settings=dict(settings or {}))
   path = pathlib.Path(path).expanduser().absolute()
   path.parent.mkdir(parents=True, exist_ok=True)
-  ocp, checkpointer = _checkpointer()
+  ocp, checkpointer = checkpoint.checkpointer()
   with checkpointer:
     checkpointer.save(path, args=ocp.args.Composite(
         gates=ocp.args.StandardSave({"gates": gates}), metadata=ocp.args.JsonSave(metadata)),
@@ -82,17 +79,15 @@ def load_gates(path: str | os.PathLike, *, model: str | None = None
   if not path.is_dir():
     raise ValueError(f"no gates at {path}: the folder does not exist (train them with "
                      "python -m kvjax.retrieval_heads)")
-  ocp, checkpointer = _checkpointer()
+  restored = checkpoint.restore_items(
+      path, f"{path} is not a complete gates checkpoint (truncated or corrupt)",
+      gates="array", metadata="json")
   try:
-    with checkpointer:
-      restored = checkpointer.restore(path, args=ocp.args.Composite(
-          gates=ocp.args.StandardRestore(), metadata=ocp.args.JsonRestore()))
     gates = np.asarray(restored["gates"]["gates"], np.float32)
     metadata = dict(restored["metadata"])
-  except Exception as e:  # pylint: disable=broad-except
-    # orbax and tensorstore raise many types for a folder with files missing or cut short.
+  except (KeyError, TypeError, ValueError) as e:
     raise ValueError(f"{path} is not a complete gates checkpoint (truncated or corrupt): "
-                     f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from e
+                     f"{type(e).__name__}: {e}") from e
   expected = (metadata.get("num_layers"), metadata.get("num_kv_heads"))
   if gates.ndim != 2 or gates.shape != expected:
     raise ValueError(f"{path}: gates of shape {gates.shape} disagree with the metadata's "
