@@ -17,7 +17,7 @@ import pytest
 import kvjax
 from kvjax.models import lm as lm_lib
 from kvjax.models.config import FULL, SLIDING, Gemma3Config
-from kvjax.models.gemma3 import local_attention
+from kvjax.cache.attention import local_attention
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -97,23 +97,85 @@ def test_random_gemma3_logits_match_transformers(scan_layers, extra):
   np.testing.assert_allclose(np.asarray(lm.forward(ids)), want, rtol=2e-4, atol=2e-4)
 
 
-def test_random_gemma3_greedy_tokens_within_the_window_match_transformers():
-  # The paged cache does not apply windows yet: a prompt and continuation
-  # shorter than the window are where the two agree by construction.
-  model = _hf_model(sliding_window=64)
-  lm = _kvjax_from_hf(model, scan_layers=True)
-  prompt = np.random.default_rng(2).integers(0, SIZES["vocab_size"], (1, 24)).tolist()
+def _check_greedy(model, prompt: list[int], tokens: list[int]) -> None:
+  """Each generated token is transformers' argmax after the ones before it, in one
+  cacheless forward over prompt + tokens (transformers' own generate keeps one
+  position fewer in its sliding-window cache, and disagrees with its forward)."""
   with torch.no_grad():
-    hf = model.generate(torch.tensor(prompt), max_new_tokens=8, do_sample=False,
-                        eos_token_id=None, pad_token_id=0)[0, 24:].tolist()
-  assert kvjax.generate(lm, prompt, max_new_tokens=8, stop_ids=[]).token_ids[0] == hf
+    logits = model(torch.tensor([prompt + tokens])).logits.numpy()[0]
+  assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == tokens
 
 
-def test_generation_past_the_window_is_refused():
-  lm = _kvjax_from_hf(_hf_model(sliding_window=16), scan_layers=True)
-  kvjax.generate(lm, [[1] * 10], max_new_tokens=6, stop_ids=[])  # 16 tokens: fits
-  with pytest.raises(ValueError, match="sliding-window layers of 16 tokens.*got 17"):
-    kvjax.generate(lm, [[1] * 10], max_new_tokens=7, stop_ids=[])
+PROMPT_LENGTHS = (45, 9, 30)  # past the window, inside it, between one and two windows
+
+
+@pytest.mark.parametrize("scan_layers, prefill_chunk", [(True, 0), (False, 0), (True, 16)])
+def test_random_gemma3_greedy_tokens_past_the_window_match_transformers(scan_layers,
+                                                                        prefill_chunk):
+  # Local layers hold a ring of their 16-token window: prompts of three lengths in
+  # one batch, 20 new tokens each, wrap it in prefill and while decoding.
+  model = _hf_model(sliding_window=16)
+  lm = _kvjax_from_hf(model, scan_layers=scan_layers)
+  rng = np.random.default_rng(5)
+  prompts = [rng.integers(0, SIZES["vocab_size"], n).tolist() for n in PROMPT_LENGTHS]
+  result = kvjax.generate(lm, prompts, max_new_tokens=20, stop_ids=[],
+                          prefill_chunk=prefill_chunk)
+  for prompt, tokens in zip(prompts, result.token_ids):
+    assert len(tokens) == 20
+    _check_greedy(model, prompt, tokens)
+  # Every local layer holds its window: the last 16 positions of each sequence.
+  kept = np.asarray(result.cache.kept_positions())  # [B, L, K, S]
+  for row, n in enumerate(PROMPT_LENGTHS):
+    end = n + 19  # the last token is sampled, never fed back
+    for layer, kind in enumerate(LAYER_TYPES):
+      held = {int(p) for p in kept[row, layer].reshape(-1) if p >= 0}
+      want = range(max(0, end - 16), end) if kind == SLIDING else range(end)
+      assert held == set(want), (row, layer)
+
+
+@pytest.mark.parametrize("query_aware", [False, True])
+def test_random_gemma3_question_past_the_window_matches_transformers(query_aware):
+  # The question is appended in one chunk over a full ring: its first tokens still
+  # see the window's oldest entries, which its later tokens overwrite.
+  model = _hf_model(sliding_window=16)
+  lm = _kvjax_from_hf(model, scan_layers=True)
+  rng = np.random.default_rng(3)
+  prompt, question = rng.integers(0, SIZES["vocab_size"], 40).tolist(), rng.integers(
+      0, SIZES["vocab_size"], 11).tolist()
+  result = kvjax.generate(lm, [prompt], questions=[question], query_aware=query_aware,
+                          max_new_tokens=12, stop_ids=[])
+  _check_greedy(model, prompt + question, result.token_ids[0])
+
+
+@pytest.mark.parametrize("name, fields, budget", [
+    ("snapkv", dict(window=4), 24), ("h2o", dict(recent=4), 24),
+    ("streaming_llm", dict(n_sink=2), 24), ("paged_eviction", {}, 40),
+    ("adakv", dict(inner=kvjax.policies.get("snapkv", window=4)), 24)])
+def test_policies_budget_the_global_layers_only(name, fields, budget):
+  model = _hf_model(sliding_window=16)
+  lm = _kvjax_from_hf(model, scan_layers=True)
+  prompt = np.random.default_rng(4).integers(0, SIZES["vocab_size"], 60).tolist()
+  result = kvjax.generate(lm, [prompt], policy=kvjax.policies.get(name, **fields),
+                          budget=budget, max_new_tokens=10, stop_ids=[])
+  kept = np.asarray(result.cache.kept_positions())[0]  # [L, K, S]
+  for layer, kind in enumerate(LAYER_TYPES):
+    held = (kept[layer] >= 0).sum(-1)  # [K]
+    if kind == SLIDING:  # the ring: the last 16 positions, whatever the policy
+      assert {int(p) for p in kept[layer].reshape(-1) if p >= 0} == set(range(53, 69))
+    else:
+      # The budget and the new tokens at most (a page more under page eviction),
+      # and fewer than the 69 positions: the policy evicted.
+      assert (held <= budget + 10 + 16).all() and (held < 69).all(), (layer, held)
+  assert result.cache.capacity[0] == (16, 16)
+
+
+def test_a_window_the_pages_do_not_tile_is_refused():
+  lm = _kvjax_from_hf(_hf_model(sliding_window=12), scan_layers=True)
+  with pytest.raises(ValueError, match="sliding window of 12 tokens must be a multiple of "
+                                       "page_size 16"):
+    kvjax.generate(lm, [[1] * 10], max_new_tokens=6, stop_ids=[])
+  assert len(kvjax.generate(lm, [[1] * 30], max_new_tokens=6, stop_ids=[],
+                            page_size=4).token_ids[0]) == 6
 
 
 @pytest.mark.parametrize("window, t", [(4, 13), (8, 8), (16, 5), (1, 6)])

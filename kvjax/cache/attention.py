@@ -60,6 +60,80 @@ def causal_attention(
   return backend_lib.get("causal_attention")(q, k, v, block=block)
 
 
+def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int) -> jax.Array:
+  """Causal GQA attention where each query sees its last ``window`` positions (itself included).
+
+  q [B, T, N, H], k, v [B, T, K, H] -> [B, T, N, H], positions 0..T-1,
+  computed in float32 block by block: the queries of block c (``window``
+  tokens) see the keys of blocks c-1 and c, so memory is O(T * window), not
+  O(T^2). Right padding after a sequence's tokens is harmless, as for
+  ``causal_attention``: no valid query sees a later position.
+  """
+  b, t, n, h = q.shape
+  kv_heads = k.shape[2]
+  g = n // kv_heads
+  w = min(window, t)
+  blocks = -(-t // w)
+  pad = blocks * w - t
+  q32 = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0)))
+  qb = q32.reshape(b, blocks, w, kv_heads, g, h)
+
+  def key_blocks(x):  # [B, T, K, H] -> [B, C, 2W, K, H]: the previous block and this one
+    x = jnp.pad(x.astype(jnp.float32), ((0, 0), (w, pad), (0, 0), (0, 0)))
+    previous = x[:, :blocks * w].reshape(b, blocks, w, kv_heads, h)
+    current = x[:, w:].reshape(b, blocks, w, kv_heads, h)
+    return jnp.concatenate([previous, current], axis=2)
+
+  kb, vb = key_blocks(k), key_blocks(v)
+  scores = jnp.einsum("bcqkgh,bcskh->bckgqs", qb, kb) * (h ** -0.5)
+  start = jnp.arange(blocks)[:, None, None] * w
+  q_pos = start + jnp.arange(w)[None, :, None]  # [C, W, 1]
+  k_pos = start - w + jnp.arange(2 * w)[None, None, :]  # [C, 1, 2W]
+  allowed = (k_pos >= 0) & (k_pos <= q_pos) & (q_pos - k_pos < window)  # [C, W, 2W]
+  scores = jnp.where(allowed[None, :, None, None], scores, -jnp.inf)
+  probs = jax.nn.softmax(scores, axis=-1)
+  out = jnp.einsum("bckgqs,bcskh->bcqkgh", probs, vb)
+  return out.reshape(b, blocks * w, n, h)[:, :t].astype(q.dtype)
+
+
+def layer_window(windows: tuple[int, ...], layer) -> tuple[int, bool | jax.Array]:
+  """(W, whether ``layer`` is local) from per-layer windows (0: global), as
+  ``prompt_attention`` takes them: a Python bool for an int layer, else traced.
+
+  Raises:
+    ValueError: local layers of two window sizes.
+  """
+  sizes = {w for w in windows if w}
+  if len(sizes) > 1:
+    raise ValueError(f"local layers with different windows {sorted(sizes)} are not supported")
+  if not sizes:
+    return 0, False
+  if isinstance(layer, int):
+    return max(sizes), bool(windows[layer])
+  return max(sizes), jnp.asarray(windows)[layer] > 0
+
+
+def prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int = 0,
+                     local: bool | jax.Array = False, block: int = PREFILL_BLOCK) -> jax.Array:
+  """A prompt's causal attention, limited to each query's last ``window`` positions
+  where ``local`` holds (a Python bool, or a traced one: a scanned layer's).
+
+  q [B, T, N, H], k, v [B, T, K, H] -> [B, T, N, H]: ``causal_attention``, or
+  ``local_attention`` on local layers when the prompt is longer than the window.
+  """
+  def full(q, k, v):
+    return causal_attention(q, k, v, block=block).astype(q.dtype)
+
+  def windowed(q, k, v):
+    return local_attention(q, k, v, window)
+
+  if not window or q.shape[1] <= window or local is False:
+    return full(q, k, v)
+  if local is True:
+    return windowed(q, k, v)
+  return jax.lax.cond(local, windowed, full, q, k, v)
+
+
 def _check_qkv(cache: PagedKVCache, q, k, v, positions, t: int | None = None) -> None:
   """Shape and dtype checks shared by the entry points (static: free under jit).
 
@@ -114,6 +188,8 @@ def prefill_attention(
       optional per-slot scores to store (default: keep every token, which
       needs every head's capacity to be at least T). A select that keeps more
       than a head's capacity loses the excess (its length stops at capacity).
+      A ring layer (``PagedKVCache.windows``) keeps its window of the prompt
+      whatever ``select`` says, and its queries see only their window.
     block: block size of the causal attention.
 
   Returns:
@@ -128,13 +204,15 @@ def prefill_attention(
   check_array("lengths", lengths, "[B]", (b,), "int")
   if tokens is not None:
     check_array("tokens", tokens, "[B, T]", (b, t), "int")
-  smallest = min(c for row in cache.capacity for c in row)
+  smallest = min(c for row, w in zip(cache.capacity, cache.windows or (0,) * cache.num_layers)
+                 for c in row if not w)
   if select is _keep_all_select and t > smallest:
     raise ValueError(
         f"prompt of {t} tokens does not fit the cache: keeping every token needs a "
         f"capacity of at least {t} per head, the smallest is {smallest}; pass a "
         f"select function that keeps fewer, or a larger capacity")
-  out = causal_attention(q, k, v, block=block)
+  out = prompt_attention(q, k, v, window=cache.ring_window, local=cache.is_ring(layer),
+                         block=block)
   return store_prompt(cache, layer, Prompt(tokens, positions, lengths), q, k, v, select), out
 
 
@@ -147,10 +225,23 @@ def store_prompt(cache: PagedKVCache, layer, prompt: Prompt, q: jax.Array, k: ja
   ([B, T, N, H], [B, T, K, H]) can be stored under several policies.
   """
   slots, scores = select(layer, prompt, q, k, v)
+  if cache.ring_window:
+    slots = jnp.where(cache.is_ring(layer), _ring_slots(prompt, cache.ring_window, k.shape[2]),
+                      slots)
   kept = (jnp.max(slots, axis=-1) + 1).astype(jnp.int32)  # [B, K]: slots fill from 0 upwards
   cache = cache.set_lengths(layer, kept)
   cache = cache.reserve(cache.lengths)
   return cache.write(layer, k, v, slots, prompt.positions, scores)
+
+
+def _ring_slots(prompt: Prompt, window: int, kv_heads: int) -> jax.Array:
+  """[B, K, T] a ring's slots for a prompt from position 0: its last ``window``
+  tokens, position p at slot p % window."""
+  t = prompt.positions.shape[1]
+  last = jnp.arange(t)[None] >= prompt.lengths[:, None] - window
+  slots = jnp.where(last & (jnp.arange(t)[None] < prompt.lengths[:, None]),
+                    prompt.positions % window, EMPTY)
+  return jnp.broadcast_to(slots[:, None].astype(jnp.int32), (slots.shape[0], kv_heads, t))
 
 
 def extend_attention(
@@ -186,22 +277,48 @@ def _append_and_attend(cache, layer, q, k, v, positions, lengths):
   _, cached = cache.layer_view(layer)
   valid = jnp.arange(c)[None, :] < lengths[:, None]  # [B, C]
   slots = jnp.where(valid[:, None, :], cached[..., None] + jnp.arange(c), EMPTY)  # [B, K, C]
-  cache = cache.set_lengths(layer, cached + lengths[:, None])
-  cache = cache.reserve(cache.lengths)
-  cache = cache.write(layer, k, v, slots, positions)
-  # The chunk is written first and the cached entries read after, from the
-  # written pools (the write leaves slots below `cached` as they were): with
-  # every read after the write, XLA updates the pools in place. Read first,
-  # the pools were copied instead, both of them in every layer (2 x 36 MB a
-  # layer for SmolLM2 at budget 1024 in a chunked prefill).
+  new_lengths = cached + lengths[:, None]
+  if not cache.ring_window:
+    cache = cache.set_lengths(layer, new_lengths)
+    cache = cache.reserve(cache.lengths)
+    cache = cache.write(layer, k, v, slots, positions)
+    # The chunk is written first and the cached entries read after, from the
+    # written pools (the write leaves slots below `cached` as they were): with
+    # every read after the write, XLA updates the pools in place. Read first,
+    # the pools were copied instead, both of them in every layer (2 x 36 MB a
+    # layer for SmolLM2 at budget 1024 in a chunked prefill).
+    table, _ = cache.layer_view(layer)
+    stored = (gather_pages(cache.k_pages, table), gather_pages(cache.v_pages, table))
+    return cache, _attend_cached_and_chunk(q, k, v, *stored, cached)
+  # A ring's chunk overwrites entries its earlier tokens still see: read first.
   table, _ = cache.layer_view(layer)
-  stored = (gather_pages(cache.k_pages, table), gather_pages(cache.v_pages, table))
-  return cache, _attend_cached_and_chunk(q, k, v, *stored, cached)
+  stored = [gather_pages(pool, table) for pool in (cache.k_pages, cache.v_pages, cache.positions)]
+  ring, w = cache.is_ring(layer), cache.ring_window
+  out = _attend_cached_and_chunk(q, k, v, stored[0], stored[1], cached,
+                                 window=(jnp.where(ring, w, 0), stored[2], positions))
+  cache = cache.set_lengths(layer, jnp.where(ring, jnp.minimum(new_lengths, w), new_lengths))
+  cache = cache.reserve(cache.lengths)
+  cache = cache.write(layer, k, v, jnp.where(ring, _chunk_ring_slots(positions, lengths, w, slots),
+                                             slots), positions)
+  return cache, out
 
 
-def _attend_cached_and_chunk(q, k, v, stored_k, stored_v, cached):
+def _chunk_ring_slots(positions, lengths, window: int, like: jax.Array) -> jax.Array:
+  """[B, K, C] (``like``'s shape) a ring's slots for a chunk's tokens (positions
+  [B, C], ``lengths`` [B] valid): its last ``window``, position p at p % window."""
+  c = positions.shape[1]
+  j = jnp.arange(c)[None]
+  kept = (j < lengths[:, None]) & (j >= lengths[:, None] - window)
+  return jnp.broadcast_to(jnp.where(kept, positions % window, EMPTY)[:, None], like.shape)
+
+
+def _attend_cached_and_chunk(q, k, v, stored_k, stored_v, cached, window=None):
   """A chunk's attention over each head's first ``cached`` [B, K] stored entries
   ([B, K, S, H]) and, causally, over the chunk (q [B, C, N, H], k, v [B, C, K, H]).
+
+  ``window``: None, or (W (0: none; may be traced), the stored entries' positions
+  [B, K, S], the chunk's positions [B, C]): each query then sees only the
+  keys less than W positions before it (a sliding-window layer's).
 
   Returns out [B, C, N, H] in q's dtype.
   """
@@ -220,7 +337,7 @@ def _attend_cached_and_chunk(q, k, v, stored_k, stored_v, cached):
   # Slots past a head's length may hold anything (another sequence's page 0 for
   # absent pages): a zero weight would not cancel a NaN or Inf value there.
   values = jnp.where(filled[..., None], values, 0.0)
-  out = _attend_rows(qg, keys, values, filled, chunk_k, chunk_v)
+  out = _attend_rows(qg, keys, values, filled, chunk_k, chunk_v, window)
   out = out.reshape(b, kh, g, c, h).transpose(0, 3, 1, 2, 4)  # [B, C, K, G, H]
   return out.reshape(b, c, n, h).astype(q.dtype)
 
@@ -233,7 +350,7 @@ def _attend_cached_and_chunk(q, k, v, stored_k, stored_v, cached):
 ATTEND_ROWS = 128
 
 
-def _attend_rows(qg, keys, values, filled, chunk_k, chunk_v):
+def _attend_rows(qg, keys, values, filled, chunk_k, chunk_v, window=None):
   """Rows of queries over a head's cached entries and, causally, its chunk.
 
   Args:
@@ -241,6 +358,7 @@ def _attend_rows(qg, keys, values, filled, chunk_k, chunk_v):
     keys, values: [B, K, S, H] float32 cached entries (values zero where not filled).
     filled: [B, K, S] bool, the entries that precede the chunk.
     chunk_k, chunk_v: [B, K, C, H] float32, the chunk's own keys and values.
+    window: None, or (W, stored positions, chunk positions) as ``_attend_cached_and_chunk``.
 
   Returns:
     [B, K, G*C, H] float32, computed ``ATTEND_ROWS`` rows at a time.
@@ -255,8 +373,15 @@ def _attend_rows(qg, keys, values, filled, chunk_k, chunk_v):
   def block(args):
     q, i = args
     token = (i * rows + jnp.arange(rows)) % c  # each row's chunk token (padding: any)
-    old = jnp.where(filled[:, :, None], jnp.einsum("bkmh,bksh->bkms", q, keys), -jnp.inf)
+    seen = filled[:, :, None]  # [B, K, 1, S]
     causal = token[:, None] >= jnp.arange(c)[None]  # [rows, C]
+    if window is not None:
+      w, stored_pos, chunk_pos = window
+      reach = jnp.where(w > 0, w, jnp.iinfo(jnp.int32).max)
+      q_pos = chunk_pos[:, token]  # [B, rows]
+      seen = seen & (q_pos[:, None, :, None] - stored_pos[:, :, None, :] < reach)
+      causal = causal & (token[:, None] - jnp.arange(c)[None] < reach)
+    old = jnp.where(seen, jnp.einsum("bkmh,bksh->bkms", q, keys), -jnp.inf)
     new = jnp.where(causal, jnp.einsum("bkmh,bkch->bkmc", q, chunk_k), -jnp.inf)
     # One softmax over [old, new] without concatenating them; each row sees its
     # own token, so the max is finite.
@@ -295,6 +420,9 @@ def chunk_attention(
   room for what the policy keeps only: the chunk lives in the program's
   scratch, a layer at a time.
 
+  A ring layer (``PagedKVCache.windows``) takes no policy: its queries see
+  their window, and it keeps the newest W positions, each at its slot.
+
   Policies that score from an observation window inside the chunk (the last
   queries before each head's length) or from the keys and values see what
   they would see in a one-shot prefill, restricted to the entries still cached.
@@ -317,7 +445,9 @@ def chunk_attention(
   s = table.shape[-1] * ps
   stored = [gather_pages(pool, table) for pool in  # [B, K, S, ...]
             (cache.k_pages, cache.v_pages, cache.positions, cache.scores)]
-  out = _attend_cached_and_chunk(q, k, v, stored[0], stored[1], cached)
+  ring, w = cache.is_ring(layer), cache.ring_window
+  window = (jnp.where(ring, w, 0), stored[2], positions) if w else None
+  out = _attend_cached_and_chunk(q, k, v, stored[0], stored[1], cached, window)
 
   # The union [B, K, U]: slots below `cached` hold the head's entries, the next
   # `lengths` slots the chunk's tokens (an index into [stored, chunk]).
@@ -352,7 +482,17 @@ def chunk_attention(
   keep = (kept[:, 0] >= 0).reshape(b, kh, u) & (slot < total[..., None])
   # A sequence without new tokens keeps everything (its heads did not change).
   keep = jnp.where((lengths > 0)[:, None, None], keep, slot < cached[..., None])
-  return cache.store_kept(layer, keep, (union_k, union_v, union_pos, union_scores)), out
+  if not w:
+    return cache.store_kept(layer, keep, (union_k, union_v, union_pos, union_scores)), out
+  # A ring keeps its entries where they are and takes the chunk's last W tokens
+  # at their positions' slots, over the entries that leave the window.
+  keep = jnp.where(ring, slot < cached[..., None], keep)
+  cache = cache.store_kept(layer, keep, (union_k, union_v, union_pos, union_scores))
+  _, kept_lengths = cache.layer_view(layer)
+  cache = cache.set_lengths(layer, jnp.where(ring, jnp.minimum(total, w), kept_lengths))
+  cache = cache.reserve(cache.lengths)
+  ring_slots = _chunk_ring_slots(positions, lengths, w, jnp.zeros((b, kh, c), jnp.int32))
+  return cache.write(layer, k, v, jnp.where(ring, ring_slots, EMPTY), positions), out
 
 
 def decode_attention(

@@ -7,7 +7,7 @@ A folder holds two orbax items (``orbax.checkpoint.CompositeCheckpointHandler``)
               page_table [B, L, K, P_max]; lengths [B, L, K]; free_pages [P];
               num_free []
   metadata  JSON: ``kind`` and ``format`` (what the folder is), the static
-            fields (page_size, capacity [L][K], shards), each array's shape,
+            fields (page_size, capacity [L][K], shards, windows [L]), each array's shape,
             dtype and CRC-32, and the caller's own metadata (``extra``)
 
 Loading checks all of it, so a folder cut short, a file damaged or a folder
@@ -29,7 +29,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache.paged import PagedKVCache
+from kvjax.cache.paged import PagedKVCache, check_windows
 
 KIND = "kvjax.PagedKVCache"
 FORMAT = 1  # bump when what is saved changes
@@ -96,6 +96,7 @@ def save(path: str | os.PathLike, cache: PagedKVCache, *, extra: dict[str, Any] 
   metadata = dict(
       kind=KIND, format=FORMAT, page_size=int(cache.page_size),
       capacity=[list(map(int, row)) for row in cache.capacity], shards=[1, 1],
+      windows=list(map(int, cache.windows)),
       arrays={name: dict(shape=list(a.shape), dtype=str(a.dtype), crc32=_crc32(a))
               for name, a in arrays.items()},
       extra=dict(extra or {}))
@@ -182,10 +183,11 @@ def load(path: str | os.PathLike) -> tuple[PagedKVCache, dict[str, Any]]:
         arrays["k_pages"].shape[1] != page_size:
       raise ValueError(f"capacity {[list(r) for r in capacity]} and page size {page_size} "
                        f"disagree with a page table of shape {[b, l, k, p_max]}")
+    windows = check_windows(metadata.get("windows"), capacity, page_size)
   except (KeyError, TypeError, IndexError, ValueError) as e:
     raise _corrupt(path, "its arrays disagree with its metadata", e) from e
   cache = PagedKVCache(**{name: jnp.asarray(arrays[name]) for name in ARRAYS},
-                       page_size=page_size, capacity=capacity)
+                       page_size=page_size, capacity=capacity, windows=windows)
   return cache, dict(metadata.get("extra") or {})
 
 

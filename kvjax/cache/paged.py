@@ -7,6 +7,12 @@ share a layer's budget unevenly: AdaKV), so a smaller budget is a smaller
 pool (real memory, not a mask). Pages are taken from a free stack when a head
 grows past a page boundary and are given back when a policy frees them.
 
+A layer may be a ring (``windows``): a sliding-window layer (Gemma 3's local
+layers) whose heads hold their last W positions, position p in slot p % W, so
+the newest token overwrites the one that just left the window. Its capacity
+is the window (at most), it takes no policy and never evicts; attention over
+it needs no mask, since it holds exactly the keys a query may see.
+
 Every shape depends only on static Python ints (batch, capacities, page size),
 so jitted prefill and decode compile once per configuration.
 """
@@ -73,6 +79,8 @@ class PagedKVCache:
       the pools are cut into equal blocks of pages, one per device; a head's
       pages lie in its device's block and its page ids, free stack and
       ``num_free`` (then [devices]) are that block's own.
+    windows: per layer, W of a ring layer (see the module docstring), 0 for a
+      layer that holds what its policy keeps; () when no layer is a ring (static).
   """
 
   k_pages: jax.Array
@@ -86,6 +94,7 @@ class PagedKVCache:
   page_size: int = struct.field(pytree_node=False)
   capacity: tuple[tuple[int, ...], ...] = struct.field(pytree_node=False)
   shards: tuple[int, int] = struct.field(pytree_node=False, default=(1, 1))
+  windows: tuple[int, ...] = struct.field(pytree_node=False, default=())
 
   # ---------------------------------------------------------------- creation
 
@@ -101,6 +110,7 @@ class PagedKVCache:
       page_size: int = 16,
       dtype=jnp.float32,
       pages_per_sequence: int | None = None,
+      windows: Sequence[int] | None = None,
   ) -> "PagedKVCache":
     """An empty cache.
 
@@ -116,6 +126,9 @@ class PagedKVCache:
         the capacities need. Fewer suit a policy that bounds its heads' total
         below the sum of their capacities (AdaKV: one budget per layer, shared
         unevenly by its heads); the caller guarantees the heads never need more.
+      windows: None, or per layer the window W of a ring layer (0: not a ring).
+        Every ring has the same W, a multiple of ``page_size``; a ring layer's
+        capacity is at most W (less suits a run that never reaches W tokens).
     """
     if not isinstance(page_size, int) or page_size <= 0:
       raise ValueError(f"page_size must be a positive int, got {page_size!r}")
@@ -128,6 +141,7 @@ class PagedKVCache:
           raise ValueError(
               f"capacity of layer {l}, KV head {k} is {c}: it must be a "
               f"positive multiple of page_size {page_size}")
+    windows = check_windows(windows, cap, page_size)
     needed = sum(c // page_size for row in cap for c in row)
     p_max = max(c for row in cap for c in row) // page_size
     if pages_per_sequence is None:
@@ -139,7 +153,7 @@ class PagedKVCache:
     num_pages = batch_size * pages_per_sequence
     arrays = _empty_arrays(num_pages, page_size, head_dim, jnp.dtype(dtype),
                            (batch_size, num_layers, num_kv_heads, p_max))
-    return cls(**arrays, page_size=page_size, capacity=cap)
+    return cls(**arrays, page_size=page_size, capacity=cap, windows=windows)
 
   # ---------------------------------------------------------------- shapes
 
@@ -168,6 +182,19 @@ class PagedKVCache:
   def kv_bytes(self) -> int:
     """Bytes allocated for keys and values (the page pool)."""
     return self.k_pages.nbytes + self.v_pages.nbytes
+
+  @property
+  def ring_window(self) -> int:
+    """W of the ring layers (static), 0 when no layer is a ring."""
+    return max(self.windows, default=0)
+
+  def is_ring(self, layer) -> bool | jax.Array:
+    """Whether ``layer`` is a ring: a Python bool for an int layer, a traced one otherwise."""
+    if not self.ring_window:
+      return False
+    if isinstance(layer, (int, np.integer)):
+      return bool(self.windows[layer])
+    return jnp.asarray(self.windows)[layer] > 0
 
   def capacity_array(self) -> jax.Array:
     """[L, K] int32 capacity per head (a constant)."""
@@ -305,7 +332,8 @@ class PagedKVCache:
       k, v: [B, 1, K, H]; positions: [B, 1]. Pages must have been reserved.
       A head already at capacity drops the token (policies evict first); so
       does a head whose next slot has no page (``reserve`` was not called), so
-      its length never counts a slot that holds nothing.
+      its length never counts a slot that holds nothing. A ring layer's head
+      stores it at slot position % W, over the entry that leaves the window.
     """
     b, kh, h = self.batch_size, self.num_kv_heads, self.k_pages.shape[-1]
     _check_layer(layer, self.num_layers)
@@ -314,14 +342,18 @@ class PagedKVCache:
     check_array("positions", positions, "[B, 1]", (b, 1), "int")
     table, lengths = self.layer_view(layer)  # [B, K, P_max], [B, K]
     cap = self.capacity_array()[layer][None]  # [1, K]
+    ring = jnp.asarray(self.windows or (0,) * self.num_layers)[layer]
+    slot, fits, new_lengths = _next_slots(lengths, positions, cap, ring)
     page = jnp.take_along_axis(
-        table, jnp.minimum(lengths // self.page_size, table.shape[-1] - 1)[..., None], -1)[..., 0]
-    fits = (lengths < cap) & (page >= 0)
-    slots = jnp.where(fits, lengths, EMPTY)[..., None]
-    # No score write: a slot at or past a head's length already scores 0 (pages
-    # are freed and slots vacated with score 0).
-    out = self._write(layer, k, v, slots, positions, None)
-    return out.replace(lengths=out.lengths.at[:, layer].set(lengths + fits.astype(jnp.int32)))
+        table, jnp.minimum(slot // self.page_size, table.shape[-1] - 1)[..., None], -1)[..., 0]
+    fits &= page >= 0
+    # No score write where the slot is new: a slot at or past a head's length
+    # already scores 0 (pages are freed and slots vacated with score 0); a ring's
+    # reused slot gets 0.
+    out = self._write(layer, k, v, jnp.where(fits, slot, EMPTY)[..., None], positions,
+                      jnp.zeros(slot.shape + (1,), jnp.float32) if self.ring_window else None)
+    return out.replace(lengths=out.lengths.at[:, layer].set(
+        jnp.where(fits, new_lengths, lengths)))
 
   def open_token_slots(self, positions: jax.Array) -> tuple["PagedKVCache", jax.Array]:
     """Makes room for one new token per sequence in every (layer, KV head) at once.
@@ -334,7 +366,8 @@ class PagedKVCache:
     the slot's score is already 0 (see ``append``).
     The cache ends as ``reserve(lengths + 1)`` followed by every layer's
     ``append`` leaves it, keys and values aside. A head at capacity drops the
-    token (policies evict first).
+    token (policies evict first); a ring layer's head takes it at its
+    position's slot, over the entry that leaves the window.
 
     Args:
       positions: [B] int32 the token's original position.
@@ -347,9 +380,11 @@ class PagedKVCache:
     check_array("positions", positions, "[B]", (b,), "int")
     ps = self.page_size
     lengths = self.lengths
-    fits = lengths < self.capacity_array()[None]  # [B, L, K]
-    index = jnp.minimum(lengths // ps, p_max - 1)[..., None]
-    offset = lengths % ps
+    ring = jnp.asarray(self.windows or (0,) * l)[None, :, None]  # [1, L, 1]
+    slot, fits, new_lengths = _next_slots(lengths, positions[:, None, None],
+                                          self.capacity_array()[None], ring)  # [B, L, K]
+    index = jnp.minimum(slot // ps, p_max - 1)[..., None]
+    offset = slot % ps
     page = jnp.take_along_axis(self.page_table, index, -1)[..., 0]  # [B, L, K]
     grow = fits & (page < 0)  # pages fill a head's row front to back
     page = jnp.where(grow, self._pop_free(grow), page)
@@ -363,7 +398,9 @@ class PagedKVCache:
         page_table=table,
         num_free=self.num_free - grow.sum(dtype=jnp.int32),
         positions=self.positions.at[at, offset].set(pos, mode="drop"),
-        lengths=lengths + fits.astype(jnp.int32))
+        lengths=jnp.where(fits, new_lengths, lengths))
+    if self.ring_window:  # a ring's reused slot drops its old score
+      out = out.replace(scores=out.scores.at[at, offset].set(0.0, mode="drop"))
     return out, jnp.where(fits, page * ps + offset, EMPTY)
 
   def write_token(self, layer, k: jax.Array, v: jax.Array, slots: jax.Array) -> "PagedKVCache":
@@ -546,6 +583,40 @@ class PagedKVCache:
     block = ((jnp.arange(b) // (b // d))[:, None] * m + jnp.arange(k) // (k // m))[:, None, :]
     offset = block[..., None] * (self.num_pages // (d * m))  # [B, 1, K, 1]
     return jnp.where(self.page_table >= 0, self.page_table + offset, EMPTY)
+
+
+def _next_slots(lengths, positions, capacity, ring):
+  """Where one new token goes in each head: (slot, fits, lengths after it), each
+  broadcast from lengths, positions, capacity and ring (W, or 0 for a head that fills
+  slot after slot). A ring's token goes to slot position % W: its next slot until
+  the ring is full, then the slot of the position that leaves the window."""
+  on_ring = ring > 0
+  slot = jnp.where(on_ring, positions % jnp.maximum(ring, 1), lengths)
+  return slot, slot < capacity, jnp.maximum(lengths, slot + 1)
+
+
+def check_windows(windows, capacity, page_size: int) -> tuple[int, ...]:
+  """``windows`` (None or one int per layer) as ``PagedKVCache.windows``: () when no
+  layer is a ring.
+
+  Raises:
+    ValueError: a window that is not a multiple of ``page_size``, rings of two
+      sizes, or a ring layer whose capacity exceeds its window.
+  """
+  if windows is None or not any(windows):
+    return ()
+  windows = tuple(int(w) for w in windows)
+  if len(windows) != len(capacity):
+    raise ValueError(f"windows has {len(windows)} layers, the cache {len(capacity)}")
+  sizes = sorted({w for w in windows if w})
+  if len(sizes) > 1 or sizes[0] < 0 or sizes[0] % page_size:
+    raise ValueError(f"ring layers need one window, a multiple of page_size {page_size}; "
+                     f"got {sizes}")
+  for l, (w, row) in enumerate(zip(windows, capacity)):
+    if w and max(row) > w:
+      raise ValueError(f"layer {l} is a ring of {w} slots: its capacity {max(row)} "
+                       "must not exceed it")
+  return windows
 
 
 def _check_layer(layer, num_layers: int) -> None:

@@ -81,30 +81,13 @@ class RunPlan:
   new_cache: Callable[[], PagedKVCache]  # the run's empty cache
 
 
-def check_windows(cfg, tokens: int) -> None:
-  """Raises ValueError where a sliding-window layer (Gemma 3's local layers) would need
-  its window: the paged cache's attention does not mask by window yet, so such a
-  model generates exactly only while prompt, question and new tokens fit in it."""
-  windows = [w for w in cfg.layer_windows if w]
-  if windows and tokens > min(windows):
-    raise ValueError(f"{cfg.name} has sliding-window layers of {min(windows)} "
-                     f"tokens, which kvjax's paged cache does not hold yet: a run may take at "
-                     f"most {min(windows)} tokens (prompt + question + new), got {tokens}")
-
-
 def plan_run(lm: LanguageModel, batch: Batch, policy: policies_lib.Policy, budget: int | None,
              options: Options, recorded: Recorded | None) -> RunPlan:
   """The plan of one run (``recorded``: the shared forward pass, if the runs share one)."""
   cfg = lm.config
-  check_windows(cfg, int(batch.lengths.max() + batch.question_lengths.max())
-                + options.max_new_tokens)
   policy = policy.for_cache(page_size=options.page_size,
                             grow=batch.question_len + options.max_new_tokens)
-  budgets = policy.layer_budgets(budget, batch.prompt_len, cfg.num_layers)
-  capacity, pages = policy.cache_layout(
-      cfg.num_kv_heads, budget=budget, prompt_len=batch.prompt_len,
-      extra_tokens=batch.question_len, max_new_tokens=options.max_new_tokens,
-      page_size=options.page_size, num_layers=cfg.num_layers)
+  budgets, capacity, pages = _layout(policy, cfg, batch, options, budget)
   per_head = pages is not None or any(not isinstance(c, int) for c in capacity)
   if per_head and options.mesh is not None:
     raise ValueError(f"policy {policy.name!r} gives its KV heads budgets of their own, which "
@@ -113,21 +96,57 @@ def plan_run(lm: LanguageModel, batch: Batch, policy: policies_lib.Policy, budge
     whole = round_up(batch.prompt_len + batch.question_len + options.max_new_tokens,
                      options.page_size)
     capacity = tuple(min(c, whole) for c in capacity)
-  # Decode-evicting policies hold each head at its budget (+ its question).
+  # Decode-evicting policies hold each head at its budget (+ its question); ring
+  # layers (sliding-window ones) evict nothing.
+  ring = np.asarray(cfg.layer_windows)[None, :, None] > 0
   limit = np.broadcast_to(
-      np.asarray(budgets, np.int32)[None, :, None] + batch.question_lengths[:, None, None],
-      (batch.size, cfg.num_layers, cfg.num_kv_heads))
+      np.where(ring, np.iinfo(np.int32).max,
+               np.asarray(budgets, np.int32)[None, :, None] + batch.question_lengths[:, None, None]),
+      (batch.size, cfg.num_layers, cfg.num_kv_heads)).astype(np.int32)
   create = (PagedKVCache.create if options.mesh is None
             else functools.partial(layout.empty_cache, options.mesh))
   new_cache = functools.partial(
       create, batch_size=batch.size, capacity=capacity,
       num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
       page_size=options.page_size, dtype=lm.dtype,
+      windows=cfg.layer_windows if ring.any() else None,
       **({} if pages is None else dict(pages_per_sequence=pages)))
   statics = _statics(options, graphdef=lm.graphdef, policy=policy, budget=budget,
                      budgets=budgets, backend=options.backend)
   return RunPlan(policy, budget, budgets, capacity, limit,
                  _prefill(lm, batch, options, statics, recorded), new_cache)
+
+
+def _layout(policy: policies_lib.Policy, cfg, batch: Batch, options: Options,
+            budget: int | None) -> tuple[tuple[int, ...], tuple, int | None]:
+  """(budgets per layer, capacity per layer, the pool's pages per sequence or None).
+
+  The policy sizes the global layers; a sliding-window layer is a ring of its
+  window (``PagedKVCache``'s ``windows``), or of the run's tokens when fewer,
+  and keeps no budget of its own (it shows the global layers' largest).
+  """
+  sizes = dict(budget=budget, prompt_len=batch.prompt_len, extra_tokens=batch.question_len,
+               max_new_tokens=options.max_new_tokens, page_size=options.page_size)
+  windows = cfg.layer_windows
+  global_layers = [l for l, w in enumerate(windows) if not w]
+  if not global_layers:
+    raise ValueError(f"{cfg.name} has no global layer: a policy's budget has nothing to size")
+  budgets = policy.layer_budgets(budget, batch.prompt_len, len(global_layers))
+  capacity, pages = policy.cache_layout(cfg.num_kv_heads, num_layers=len(global_layers), **sizes)
+  if len(global_layers) == cfg.num_layers:
+    return budgets, capacity, pages
+  window = max(windows)
+  if window % options.page_size:
+    raise ValueError(f"{cfg.name}'s sliding window of {window} tokens must be a multiple of "
+                     f"page_size {options.page_size}: its layers' cache is a ring of whole pages")
+  ring = min(window, round_up(batch.prompt_len + batch.question_len + options.max_new_tokens,
+                              options.page_size))
+  top, budgets, capacity = max(budgets), iter(budgets), iter(capacity)
+  layer_budgets = [top if w else next(budgets) for w in windows]
+  layer_capacity = [ring if w else next(capacity) for w in windows]
+  if pages is not None:
+    pages += (cfg.num_layers - len(global_layers)) * cfg.num_kv_heads * ring // options.page_size
+  return tuple(layer_budgets), tuple(layer_capacity), pages
 
 
 def _prefill(lm, batch: Batch, options: Options, statics: dict,

@@ -87,10 +87,12 @@ def record(params, buffers, tokens, lengths, *, graphdef, block, backend):
   Returns:
     (the filled buffers, logits [B, V] at each sequence's last token).
   """
+  windows = nnx.merge(graphdef, params).config.layer_windows
   with backend_lib.use(backend):
 
     def attend(buffers, layer, q, k, v):
-      out = attention_lib.causal_attention(q, k, v, block=block)
+      window, local = attention_lib.layer_window(windows, layer)
+      out = attention_lib.prompt_attention(q, k, v, window=window, local=local, block=block)
       return tuple(b.at[layer].set(x.astype(b.dtype)) for b, x in zip(buffers, (q, k, v))), out
 
     return _forward(graphdef, params, tokens, _positions(tokens), buffers, attend, lengths - 1)

@@ -214,22 +214,25 @@ def relaid(cache: PagedKVCache, empty: PagedKVCache, *, extra_tokens: int = 0) -
   Args:
     cache: the filled cache, [B, L, K] heads.
     empty: an empty cache of the same B, L, K, H, page size and dtype.
-    extra_tokens: entries each head must still have room for (the question).
+    extra_tokens: entries each head but a ring's must still have room for (the question).
 
   Raises:
     ValueError: the layouts disagree, or ``empty`` lacks room for a head.
   """
   if (cache.page_table.shape[:3] != empty.page_table.shape[:3]
       or cache.k_pages.shape[1:] != empty.k_pages.shape[1:]
-      or cache.k_pages.dtype != empty.k_pages.dtype):
+      or cache.k_pages.dtype != empty.k_pages.dtype or cache.windows != empty.windows):
     raise ValueError(f"cannot lay a cache of heads {cache.page_table.shape[:3]} and pages "
                      f"{cache.k_pages.dtype}{list(cache.k_pages.shape[1:])} out as one of "
                      f"{empty.page_table.shape[:3]}, "
                      f"{empty.k_pages.dtype}{list(empty.k_pages.shape[1:])}")
   table, lengths = np.asarray(cache.page_table), np.asarray(cache.lengths)  # [B, L, K, P_max]
   room = np.asarray(empty.capacity)[None] - lengths  # [B, L, K]
-  if (room < extra_tokens).any():
-    b, l, k = np.argwhere(room < extra_tokens)[0]
+  # A ring layer (a sliding window) takes new entries over its oldest ones.
+  ring = np.asarray(empty.windows or (0,) * empty.num_layers)[None, :, None] > 0
+  short = room < np.where(ring, 0, extra_tokens)
+  if short.any():
+    b, l, k = np.argwhere(short)[0]
     raise ValueError(f"head (sequence {b}, layer {l}, KV head {k}) holds {lengths[b, l, k]} "
                      f"entries: no room for {extra_tokens} more in a capacity of "
                      f"{empty.capacity[l][k]}")

@@ -13,7 +13,9 @@ unchanged. Queries are pre-scaled by sqrt(H / query_pre_attn_scalar) so that
 the hook's 1/sqrt(H) gives Gemma's 1/sqrt(query_pre_attn_scalar) (a factor of
 1 for every released Gemma 3 but the 27B). Which layers are local is static:
 ``config.layer_windows[layer]`` (0 on global layers). The hook must apply
-that window itself; ``reference_attend`` does it for a cacheless forward.
+that window itself: the paged cache holds those layers as rings of their
+window (``kvjax.cache.PagedKVCache``'s ``windows``), and ``reference_attend``
+masks them in a cacheless forward.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache.attention import causal_attention
+from kvjax.cache.attention import layer_window, prompt_attention
 from kvjax.models import rope as rope_lib
 from kvjax.models.config import Gemma3Config, LlamaConfig
 from kvjax.models.llama import AttendFn, DecoderLayer, Llama, RMSNorm, matmul
@@ -98,70 +100,13 @@ class Gemma3(Llama):
     return logits
 
 
-def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int) -> jax.Array:
-  """Causal GQA attention where each query sees its last ``window`` positions (itself included).
-
-  q [B, T, N, H], k, v [B, T, K, H] -> [B, T, N, H], positions 0..T-1,
-  computed in float32 block by block: the queries of block c (``window``
-  tokens) see the keys of blocks c-1 and c, so memory is O(T * window), not
-  O(T^2). Right padding after a sequence's tokens is harmless, as for
-  ``causal_attention``: no valid query sees a later position.
-  """
-  b, t, n, h = q.shape
-  kv_heads = k.shape[2]
-  g = n // kv_heads
-  w = min(window, t)
-  blocks = -(-t // w)
-  pad = blocks * w - t
-  q32 = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0)))
-  qb = q32.reshape(b, blocks, w, kv_heads, g, h)
-
-  def key_blocks(x):  # [B, T, K, H] -> [B, C, 2W, K, H]: the previous block and this one
-    x = jnp.pad(x.astype(jnp.float32), ((0, 0), (w, pad), (0, 0), (0, 0)))
-    previous = x[:, :blocks * w].reshape(b, blocks, w, kv_heads, h)
-    current = x[:, w:].reshape(b, blocks, w, kv_heads, h)
-    return jnp.concatenate([previous, current], axis=2)
-
-  kb, vb = key_blocks(k), key_blocks(v)
-  scores = jnp.einsum("bcqkgh,bcskh->bckgqs", qb, kb) * (h ** -0.5)
-  start = jnp.arange(blocks)[:, None, None] * w
-  q_pos = start + jnp.arange(w)[None, :, None]  # [C, W, 1]
-  k_pos = start - w + jnp.arange(2 * w)[None, None, :]  # [C, 1, 2W]
-  allowed = (k_pos >= 0) & (k_pos <= q_pos) & (q_pos - k_pos < window)  # [C, W, 2W]
-  scores = jnp.where(allowed[None, :, None, None], scores, -jnp.inf)
-  probs = jax.nn.softmax(scores, axis=-1)
-  out = jnp.einsum("bckgqs,bcskh->bcqkgh", probs, vb)
-  return out.reshape(b, blocks * w, n, h)[:, :t].astype(q.dtype)
-
-
 def reference_attend(config: LlamaConfig) -> AttendFn:
-  """The ``attend`` of a forward without a cache: causal, windowed on local layers.
-
-  Global layers (and every layer of a model without windows) use
-  ``kvjax.cache.causal_attention``; local ones ``local_attention``. Under
-  ``lax.scan`` the layer index is traced and ``lax.cond`` picks.
-  """
-  windows = config.layer_windows
-  sizes = {w for w in windows if w}
-  if not sizes:
-    return lambda state, layer, q, k, v: (state, causal_attention(q, k, v))
-  if len(sizes) > 1:
-    raise ValueError(f"local layers with different windows {sorted(sizes)} are not supported")
-  window = sizes.pop()
-
-  def full(q, k, v):
-    return causal_attention(q, k, v).astype(q.dtype)
-
-  def local(q, k, v):
-    return local_attention(q, k, v, window)
+  """The ``attend`` of a forward without a cache: causal, windowed on local layers
+  (``kvjax.cache.attention.prompt_attention``)."""
 
   def attend(state, layer, q, k, v):
-    if q.shape[1] <= window:  # the window cannot bind
-      return state, full(q, k, v)
-    is_local = _pick(tuple(w > 0 for w in windows), layer)
-    if isinstance(is_local, bool):
-      return state, (local if is_local else full)(q, k, v)
-    return state, jax.lax.cond(is_local, local, full, q, k, v)
+    window, local = layer_window(config.layer_windows, layer)
+    return state, prompt_attention(q, k, v, window=window, local=local)
 
   return attend
 

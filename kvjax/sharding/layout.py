@@ -155,7 +155,8 @@ def local_capacity(capacity, model_shards: int) -> tuple[tuple[int, ...], ...]:
 
 
 def empty_cache(mesh: Mesh, *, batch_size: int, capacity, num_layers: int, num_kv_heads: int,
-                head_dim: int, page_size: int = 16, dtype=jnp.float32) -> PagedKVCache:
+                head_dim: int, page_size: int = 16, dtype=jnp.float32,
+                windows=None) -> PagedKVCache:
   """An empty PagedKVCache laid over ``mesh`` (arguments as ``PagedKVCache.create``).
 
   Each device's block of the pool holds exactly the pages of its B / D
@@ -170,8 +171,8 @@ def empty_cache(mesh: Mesh, *, batch_size: int, capacity, num_layers: int, num_k
   create_local = functools.partial(
       PagedKVCache.create, batch_size=batch_size // d, capacity=local_capacity(cap, m),
       num_layers=num_layers, num_kv_heads=num_kv_heads // m, head_dim=head_dim,
-      page_size=page_size, dtype=dtype)
-  jax.eval_shape(create_local)  # checks the arguments, allocates nothing
+      page_size=page_size, dtype=dtype, windows=windows)
+  windows = jax.eval_shape(create_local).windows  # checks the arguments, allocates nothing
 
   def arrays():
     # Every device's block starts as the same empty cache of its sequences and heads.
@@ -184,7 +185,7 @@ def empty_cache(mesh: Mesh, *, batch_size: int, capacity, num_layers: int, num_k
 
   specs = _cache_field_specs()
   made = jax.jit(arrays, out_shardings={k: sharding(mesh, s) for k, s in specs.items()})()
-  return PagedKVCache(**made, page_size=page_size, capacity=cap, shards=(d, m))
+  return PagedKVCache(**made, page_size=page_size, capacity=cap, shards=(d, m), windows=windows)
 
 
 def _cache_field_specs() -> dict[str, P]:
