@@ -57,7 +57,7 @@ def _prompt(lm):
     if not FLAGS.question:
       raise UsageError("--prompt_file needs --question")
     content = f"{path.read_text(errors='replace')}\n\n{FLAGS.question}"
-    return lm.tokenizer.chatml([{"role": "user", "content": content}]), None
+    return lm.tokenizer.chat([{"role": "user", "content": content}]), None
   sample = tasks.passkey_prompt(lm.tokenizer, context_tokens=FLAGS.context_tokens,
                                 depth=FLAGS.depth, seed=FLAGS.seed)
   return sample.prompt, sample.answer

@@ -229,6 +229,33 @@ def chatml(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = 
   return "".join(parts)
 
 
+def gemma_turns(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+  """Gemma's turns: each message as `<start_of_turn>role\ncontent<end_of_turn>\n`.
+
+  As Gemma's own template renders them: the assistant's role is "model", and a
+  system message heads the first user turn (a blank line after it). No BOS:
+  ``encode`` adds it where the tokenizer says so.
+  """
+  _check_messages(messages)
+  messages = [dict(m) for m in messages]
+  if messages and messages[0]["role"] == "system":
+    system = messages.pop(0)["content"]
+    if messages:
+      messages[0]["content"] = f"{system}\n\n{messages[0]['content']}"
+    else:
+      messages = [dict(role="user", content=f"{system}\n\n")]
+  role = {"assistant": "model"}
+  parts = [f"<start_of_turn>{role.get(m['role'], m['role'])}\n{m['content']}<end_of_turn>\n"
+           for m in messages]
+  if add_generation_prompt:
+    parts.append("<start_of_turn>model\n")
+  return "".join(parts)
+
+
+# Plain chat markups without a system prompt, by the token that opens a turn.
+_TURN_FORMATS = (("<|im_start|>", chatml), ("<start_of_turn>", gemma_turns))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Specials:
   bos_id: int | None
@@ -491,6 +518,26 @@ class Tokenizer:
     if self.token_to_id("<|im_start|>") is None:
       raise ValueError("this vocabulary has no <|im_start|> token; ChatML does not apply")
     return chatml(messages, add_generation_prompt)
+
+  @property
+  def has_chat_template(self) -> bool:
+    """Whether the model ships a chat template (an instruction-tuned model's does)."""
+    return self._specials.chat_template not in (None, "")
+
+  def chat(self, messages: Sequence[Mapping[str, Any]],
+           add_generation_prompt: bool = True) -> str:
+    """The vocabulary's own turn markup, without an injected system prompt: ChatML
+    (SmolLM2, Qwen) where it has `<|im_start|>`, Gemma's turns where it has
+    `<start_of_turn>`. What kvjax's tasks and CLIs put their prompts in.
+
+    Raises:
+      ValueError: a vocabulary with neither opening token.
+    """
+    for opener, render in _TURN_FORMATS:
+      if self.token_to_id(opener) is not None:
+        return render(messages, add_generation_prompt)
+    raise ValueError("this vocabulary has neither <|im_start|> nor <start_of_turn>: kvjax "
+                     "knows no chat markup for it; use apply_chat_template() or plain text")
 
   def __repr__(self) -> str:
     return (f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, "

@@ -78,7 +78,7 @@ def passkey_tokens(tokenizer, rng: np.random.Generator, length: int) -> tuple[np
   """
   key = str(int(rng.integers(10000, 100000)))
   marker = "\x00FILLER\x00"
-  prompt = tokenizer.chatml([{"role": "user", "content": f"{INSTRUCTION}\n{marker}\n{QUESTION}"}])
+  prompt = tokenizer.chat([{"role": "user", "content": f"{INSTRUCTION}\n{marker}\n{QUESTION}"}])
   head_text, tail_text = prompt.split(marker)
   head = tokenizer.encode(head_text)  # as generation encodes a prompt
   tail = tokenizer.encode(tail_text)

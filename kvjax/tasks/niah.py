@@ -9,7 +9,7 @@
 
 ``depth`` places the needle that is asked about (for variable tracking, the
 first assignment); the other needles are spread at seeded random depths.
-Prompts are system-less ChatML user turns with the instruction first and the
+Prompts are system-less user turns (ChatML, or Gemma's turns) with the instruction first and the
 question last, the format on which SmolLM2-135M retrieves with the full cache.
 """
 
@@ -38,33 +38,35 @@ def _spread(rng, n: int, depth: float) -> list[float]:
 
 
 def _layout(task: str, kind: str, depth: float, rng):
-  """(instruction, needles [(depth, text)], question, answers) of one sample."""
+  """(instruction, needles [(depth, text)], question, answers, the answer's lead-in)."""
   if task == "niah" and kind == "repeat":
     key = _number(rng)
     return ("There is a pass key hidden inside a lot of irrelevant text. Find it and memorize "
             "it. I will quiz you about the pass key.",
             [(depth, f"The pass key is {key}. Remember it. {key} is the pass key.")],
-            "What is the pass key? Answer with the number only.", (key,))
+            "What is the pass key? Answer with the number only.", (key,), "The pass key is")
   names = [str(x) for x in rng.choice(_KEYS, NUM_NEEDLES, replace=False)]
   values = [_number(rng) for _ in range(NUM_NEEDLES)]
   fact = lambda name, value: (f"The special magic number for {name} is {value}. "
                               f"Remember it. {value} is the special magic number for {name}.")
   intro = ("Special magic numbers are hidden inside a long text. Find them and memorize them. "
            "I will quiz you about them.")
+  lead_in = f"The special magic number for {names[0]} is"
   if task == "niah":
     return (intro, [(depth, fact(names[0], values[0]))],
             f"What is the special magic number for {names[0]}? Answer with the number only.",
-            (values[0],))
+            (values[0],), lead_in)
   if task == "niah_multikey":
     depths = _spread(rng, NUM_NEEDLES, depth)
     return (intro, [(d, fact(n, v)) for d, n, v in zip(depths, names, values)],
             f"What is the special magic number for {names[0]}? Answer with the number only.",
-            (values[0],))
+            (values[0],), lead_in)
   if task == "niah_multivalue":
     depths = _spread(rng, NUM_NEEDLES, depth)
     return (intro, [(d, fact(names[0], v)) for d, v in zip(depths, values)],
             f"What are all the special magic numbers for {names[0]}? Answer with the numbers "
-            "only, separated by commas.", tuple(values))
+            "only, separated by commas.", tuple(values),
+            f"The special magic numbers for {names[0]} are")
   if task == "variable_tracking":
     variables = ["".join(rng.choice(_LETTERS, 5)) for _ in range(NUM_NEEDLES)]
     # The chain runs forward: each copy sits after the assignment it copies.
@@ -75,12 +77,14 @@ def _layout(task: str, kind: str, depth: float, rng):
     return ("Memorize and track the chain of variable assignments hidden in the following text.",
             needles,
             f"Which variables are assigned the value {values[0]}? Answer with the variable "
-            "names only, separated by commas.", tuple(variables))
+            "names only, separated by commas.", tuple(variables),
+            f"The variables assigned the value {values[0]} are")
   raise ValueError(f"task must be one of {TASKS}, got {task!r}")
 
 
 def make_sample(tokenizer, task: str, *, length: int, depth: float = 0.5,
-                haystack: str = "repeat", seed: int = 0, index: int = 0) -> Sample:
+                haystack: str = "repeat", seed: int = 0, index: int = 0,
+                lead_in: bool | None = None) -> Sample:
   """A ``task`` prompt of at most ``length`` tokens (within a token or two of it).
 
   Args:
@@ -90,6 +94,11 @@ def make_sample(tokenizer, task: str, *, length: int, depth: float = 0.5,
     depth: where the asked needle sits, as a fraction of the haystack.
     haystack: "repeat" or "natural" filler.
     seed, index: the sample's randomness (keys, values, filler, other depths).
+    lead_in: end the prompt, after the assistant's turn opens, with the answer's
+      first words and a space ("The pass key is "; without the space Gemma 3
+      270M wrote the instruction's words on): a base model completes text rather than
+      follow the question, and answers after them. None: where the tokenizer
+      ships no chat template (a base model's, as Gemma 3 270M's GGUF).
   """
   if task not in TASKS:
     raise ValueError(f"task must be one of {TASKS}, got {task!r}")
@@ -99,13 +108,16 @@ def make_sample(tokenizer, task: str, *, length: int, depth: float = 0.5,
     raise ValueError(f"haystack must be one of {haystack_lib.KINDS}, got {haystack!r}")
   rng = np.random.default_rng([seed, index, TASKS.index(task), haystack_lib.KINDS.index(haystack),
                                round(depth * 1000), length])
-  instruction, needles, question, answers = _layout(task, haystack, depth, rng)
+  instruction, needles, question, answers, prefix = _layout(task, haystack, depth, rng)
+  if lead_in is None:
+    lead_in = not tokenizer.has_chat_template
   filler_seed = int(rng.integers(2**31))
 
   def build(n: int, words: int = 0) -> Sample:
     units = haystack_lib.filler_units(haystack, n, filler_seed, words)
     return chat_sample(tokenizer, instruction, haystack_lib.insert_needles(units, needles),
-                       question, answers=answers, depth=depth, task=task, haystack=haystack,
+                       question, answer_prefix=f"{prefix} " if lead_in else "", answers=answers,
+                       depth=depth, task=task, haystack=haystack,
                        target_tokens=length,
                        id=f"{task}-{haystack}-{length}-{depth:g}-{seed}-{index}",
                        max_new_tokens=8 * len(answers) + 8)

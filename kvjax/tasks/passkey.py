@@ -15,7 +15,7 @@ def passkey_prompt(tokenizer, *, context_tokens: int, depth: float = 0.5, seed: 
   """A passkey prompt of about ``context_tokens`` tokens (never more).
 
   Args:
-    tokenizer: a kvjax Tokenizer (uses ``encode`` and ``chatml``).
+    tokenizer: a kvjax Tokenizer (uses ``encode`` and ``chat``).
     context_tokens: target prompt length in tokens, markup included.
     depth: needle position as a fraction of the filler, 0 (start) to 1 (end).
     seed: picks the 5-digit key.

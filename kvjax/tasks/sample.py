@@ -40,7 +40,7 @@ class Sample:
 
 def chat_sample(tokenizer, instruction: str, text: str, question: str, *,
                 answer_prefix: str = "", **fields) -> Sample:
-  """A system-less ChatML user turn ``instruction / text / question``, split at the question.
+  """A system-less user turn ``instruction / text / question`` (``Tokenizer.chat``), split at the question.
 
   The whole prompt's token count goes in ``num_tokens``. Tokenizing the two
   parts separately can differ from the whole by a token at the cut; generation
@@ -50,7 +50,7 @@ def chat_sample(tokenizer, instruction: str, text: str, question: str, *,
     raise ValueError("this model has no tokenizer, and task and dataset prompts are text; "
                      "load a model with one (a GGUF, or a folder with tokenizer.json)")
   head = f"{instruction}\n" if instruction else ""
-  prompt = tokenizer.chatml([{"role": "user", "content": f"{head}{text}\n{question}"}])
+  prompt = tokenizer.chat([{"role": "user", "content": f"{head}{text}\n{question}"}])
   prompt += answer_prefix
   cut = prompt.rindex(f"\n{question}")
   return Sample(context=prompt[:cut], question=prompt[cut:],
