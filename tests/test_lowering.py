@@ -10,7 +10,9 @@ zeros of the right shapes, so nothing runs and the weights can stay abstract
 The default suite lowers the one-shot prefill and the decode loop of every
 policy under "auto" and "pallas" at SmolLM2's shape; the tests marked slow
 add the chunked prefill, the question appended uncompressed, the recorded
-prompt shared by several runs, and the Llama-3.2-1B shape.
+prompt shared by several runs, and the Llama-3.2-1B shape. Gemma 3 270M's
+shape, whose local layers are rings, lowers every program kind for four
+policies in the default suite.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from kvjax import policies
 from kvjax import testing
 from kvjax.generation import compile as compile_lib
 from kvjax.kernels import platform
-from kvjax.models.llama import Llama
+from kvjax.models.config import Gemma3Config
+from kvjax.models.gemma3 import module_class
 from kvjax.models.lm import LanguageModel
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -49,12 +52,21 @@ def _config(name: str):
   return module.get_config()
 
 
+# Gemma 3 270M's shape (its GGUF's metadata): 15 local layers of a 512-token
+# window, a ring in the paged cache, and 3 global ones.
+GEMMA3_270M = Gemma3Config(
+    vocab_size=262144, hidden_size=640, num_layers=18, num_heads=4, num_kv_heads=1,
+    head_dim=256, intermediate_size=2048, rms_norm_eps=1e-6, rope_theta=1e6,
+    rope_local_theta=1e4, max_position_embeddings=32768, sliding_window=512,
+    name="gemma3-270m")
+
+
 @functools.cache
 def _abstract_model(config_name: str, scan_layers: bool) -> LanguageModel:
   """The model with weights as shapes only (jax.ShapeDtypeStruct leaves)."""
-  config = _config(config_name)
-  abstract = nnx.eval_shape(
-      lambda: Llama(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), scan_layers=scan_layers))
+  config = GEMMA3_270M if config_name == "gemma3_270m" else _config(config_name)
+  abstract = nnx.eval_shape(lambda: module_class(config)(
+      config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), scan_layers=scan_layers))
   graphdef, params = nnx.split(abstract)
   return LanguageModel(config, graphdef, params, None, f"abstract:{config_name}")
 
@@ -135,13 +147,8 @@ def test_prefill_and_decode_lower(lowered, name, backend, tmp_path):
   _check(lowered, {"prefill", "decode"}, backend)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("config_name,scan_layers",
-                         [("smollm2_135m", False), ("llama3_2_1b", False)])
-@pytest.mark.parametrize("backend", ["auto", "pallas"])
-@pytest.mark.parametrize("name", policies.names())
-def test_every_program_lowers(lowered, name, backend, config_name, scan_layers, tmp_path):
-  """Unrolled layers, as GPUs and TPUs run them by default; every program kind."""
+def _every_program(lowered, name, backend, config_name, scan_layers, tmp_path):
+  """Lowers every program kind ``generate`` compiles for ``name`` on the model."""
   lm = _abstract_model(config_name, scan_layers)
   policy, budget = _policy(name, lm.config, tmp_path), _budget(name)
   prompt = _prompt(lm.config.vocab_size)
@@ -155,3 +162,20 @@ def test_every_program_lowers(lowered, name, backend, config_name, scan_layers, 
     kvjax.generate(lm, [prompt], policy=policy, budget=budget, prefill_chunk=512, **kw)
     programs.add("prefill_chunk")
   _check(lowered, programs, backend)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config_name,scan_layers",
+                         [("smollm2_135m", False), ("llama3_2_1b", False)])
+@pytest.mark.parametrize("backend", ["auto", "pallas"])
+@pytest.mark.parametrize("name", policies.names())
+def test_every_program_lowers(lowered, name, backend, config_name, scan_layers, tmp_path):
+  """Unrolled layers, as GPUs and TPUs run them by default; every program kind."""
+  _every_program(lowered, name, backend, config_name, scan_layers, tmp_path)
+
+
+@pytest.mark.parametrize("name", ["full", "snapkv", "h2o", "paged_eviction"])
+def test_gemma3_rings_lower(lowered, name, tmp_path):
+  """Gemma 3 270M's shape, its local layers rings: a 2047-token prompt wraps them in
+  the prefill, the chunked prefill and the question; the decode loop writes over them."""
+  _every_program(lowered, name, "auto", "gemma3_270m", False, tmp_path)

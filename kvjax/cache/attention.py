@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import backend as backend_lib
-from kvjax.cache.paged import EMPTY, PagedKVCache, check_array
+from kvjax.cache.paged import EMPTY, PagedKVCache, check_array, layer_window
 from kvjax.kernels import causal_attention as causal_attention_lib
 from kvjax.kernels.paged_attention import gather_pages
 from kvjax.sharding import collectives
@@ -94,23 +94,6 @@ def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int) -> ja
   probs = jax.nn.softmax(scores, axis=-1)
   out = jnp.einsum("bckgqs,bcskh->bcqkgh", probs, vb)
   return out.reshape(b, blocks * w, n, h)[:, :t].astype(q.dtype)
-
-
-def layer_window(windows: tuple[int, ...], layer) -> tuple[int, bool | jax.Array]:
-  """(W, whether ``layer`` is local) from per-layer windows (0: global), as
-  ``prompt_attention`` takes them: a Python bool for an int layer, else traced.
-
-  Raises:
-    ValueError: local layers of two window sizes.
-  """
-  sizes = {w for w in windows if w}
-  if len(sizes) > 1:
-    raise ValueError(f"local layers with different windows {sorted(sizes)} are not supported")
-  if not sizes:
-    return 0, False
-  if isinstance(layer, int):
-    return max(sizes), bool(windows[layer])
-  return max(sizes), jnp.asarray(windows)[layer] > 0
 
 
 def prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int = 0,
@@ -226,22 +209,22 @@ def store_prompt(cache: PagedKVCache, layer, prompt: Prompt, q: jax.Array, k: ja
   """
   slots, scores = select(layer, prompt, q, k, v)
   if cache.ring_window:
-    slots = jnp.where(cache.is_ring(layer), _ring_slots(prompt, cache.ring_window, k.shape[2]),
-                      slots)
+    slots = jnp.where(cache.is_ring(layer), _ring_slots(prompt.positions, prompt.lengths,
+                                                        cache.ring_window, k.shape[2]), slots)
   kept = (jnp.max(slots, axis=-1) + 1).astype(jnp.int32)  # [B, K]: slots fill from 0 upwards
   cache = cache.set_lengths(layer, kept)
   cache = cache.reserve(cache.lengths)
   return cache.write(layer, k, v, slots, prompt.positions, scores)
 
 
-def _ring_slots(prompt: Prompt, window: int, kv_heads: int) -> jax.Array:
-  """[B, K, T] a ring's slots for a prompt from position 0: its last ``window``
-  tokens, position p at slot p % window."""
-  t = prompt.positions.shape[1]
-  last = jnp.arange(t)[None] >= prompt.lengths[:, None] - window
-  slots = jnp.where(last & (jnp.arange(t)[None] < prompt.lengths[:, None]),
-                    prompt.positions % window, EMPTY)
-  return jnp.broadcast_to(slots[:, None].astype(jnp.int32), (slots.shape[0], kv_heads, t))
+def _ring_slots(positions: jax.Array, lengths: jax.Array, window: int, kv_heads: int
+                ) -> jax.Array:
+  """[B, K, T] a ring's slots for tokens at ``positions`` [B, T] (the first
+  ``lengths`` [B] valid): the last ``window`` of them, position p at slot p % window."""
+  j = jnp.arange(positions.shape[1])[None]
+  kept = (j < lengths[:, None]) & (j >= lengths[:, None] - window)
+  slots = jnp.where(kept, positions % window, EMPTY).astype(jnp.int32)
+  return jnp.broadcast_to(slots[:, None], (slots.shape[0], kv_heads, slots.shape[1]))
 
 
 def extend_attention(
@@ -298,18 +281,9 @@ def _append_and_attend(cache, layer, q, k, v, positions, lengths):
                                  window=(jnp.where(ring, w, 0), stored[2], positions))
   cache = cache.set_lengths(layer, jnp.where(ring, jnp.minimum(new_lengths, w), new_lengths))
   cache = cache.reserve(cache.lengths)
-  cache = cache.write(layer, k, v, jnp.where(ring, _chunk_ring_slots(positions, lengths, w, slots),
+  cache = cache.write(layer, k, v, jnp.where(ring, _ring_slots(positions, lengths, w, k.shape[2]),
                                              slots), positions)
   return cache, out
-
-
-def _chunk_ring_slots(positions, lengths, window: int, like: jax.Array) -> jax.Array:
-  """[B, K, C] (``like``'s shape) a ring's slots for a chunk's tokens (positions
-  [B, C], ``lengths`` [B] valid): its last ``window``, position p at p % window."""
-  c = positions.shape[1]
-  j = jnp.arange(c)[None]
-  kept = (j < lengths[:, None]) & (j >= lengths[:, None] - window)
-  return jnp.broadcast_to(jnp.where(kept, positions % window, EMPTY)[:, None], like.shape)
 
 
 def _attend_cached_and_chunk(q, k, v, stored_k, stored_v, cached, window=None):
@@ -491,7 +465,7 @@ def chunk_attention(
   _, kept_lengths = cache.layer_view(layer)
   cache = cache.set_lengths(layer, jnp.where(ring, jnp.minimum(total, w), kept_lengths))
   cache = cache.reserve(cache.lengths)
-  ring_slots = _chunk_ring_slots(positions, lengths, w, jnp.zeros((b, kh, c), jnp.int32))
+  ring_slots = _ring_slots(positions, lengths, w, kh)
   return cache.write(layer, k, v, jnp.where(ring, ring_slots, EMPTY), positions), out
 
 

@@ -190,11 +190,7 @@ class PagedKVCache:
 
   def is_ring(self, layer) -> bool | jax.Array:
     """Whether ``layer`` is a ring: a Python bool for an int layer, a traced one otherwise."""
-    if not self.ring_window:
-      return False
-    if isinstance(layer, (int, np.integer)):
-      return bool(self.windows[layer])
-    return jnp.asarray(self.windows)[layer] > 0
+    return layer_window(self.windows, layer)[1]
 
   def capacity_array(self) -> jax.Array:
     """[L, K] int32 capacity per head (a constant)."""
@@ -342,7 +338,7 @@ class PagedKVCache:
     check_array("positions", positions, "[B, 1]", (b, 1), "int")
     table, lengths = self.layer_view(layer)  # [B, K, P_max], [B, K]
     cap = self.capacity_array()[layer][None]  # [1, K]
-    ring = jnp.asarray(self.windows or (0,) * self.num_layers)[layer]
+    ring = jnp.asarray(self.windows)[layer] if self.ring_window else None
     slot, fits, new_lengths = _next_slots(lengths, positions, cap, ring)
     page = jnp.take_along_axis(
         table, jnp.minimum(slot // self.page_size, table.shape[-1] - 1)[..., None], -1)[..., 0]
@@ -380,7 +376,7 @@ class PagedKVCache:
     check_array("positions", positions, "[B]", (b,), "int")
     ps = self.page_size
     lengths = self.lengths
-    ring = jnp.asarray(self.windows or (0,) * l)[None, :, None]  # [1, L, 1]
+    ring = jnp.asarray(self.windows)[None, :, None] if self.ring_window else None  # [1, L, 1]
     slot, fits, new_lengths = _next_slots(lengths, positions[:, None, None],
                                           self.capacity_array()[None], ring)  # [B, L, K]
     index = jnp.minimum(slot // ps, p_max - 1)[..., None]
@@ -588,11 +584,30 @@ class PagedKVCache:
 def _next_slots(lengths, positions, capacity, ring):
   """Where one new token goes in each head: (slot, fits, lengths after it), each
   broadcast from lengths, positions, capacity and ring (W, or 0 for a head that fills
-  slot after slot). A ring's token goes to slot position % W: its next slot until
-  the ring is full, then the slot of the position that leaves the window."""
-  on_ring = ring > 0
-  slot = jnp.where(on_ring, positions % jnp.maximum(ring, 1), lengths)
+  slot after slot; None when no layer is a ring). A ring's token goes to slot
+  position % W: its next slot until the ring is full, then the slot of the
+  position that leaves the window."""
+  if ring is None:
+    return lengths, lengths < capacity, lengths + 1
+  slot = jnp.where(ring > 0, positions % jnp.maximum(ring, 1), lengths)
   return slot, slot < capacity, jnp.maximum(lengths, slot + 1)
+
+
+def layer_window(windows: Sequence[int], layer) -> tuple[int, bool | jax.Array]:
+  """(W, whether ``layer`` is local) from per-layer windows (0: global; () for
+  none): a Python bool for an int layer, a traced one otherwise.
+
+  Raises:
+    ValueError: local layers of two window sizes.
+  """
+  sizes = {w for w in windows if w}
+  if len(sizes) > 1:
+    raise ValueError(f"local layers with different windows {sorted(sizes)} are not supported")
+  if not sizes:
+    return 0, False
+  if isinstance(layer, (int, np.integer)):
+    return max(sizes), bool(windows[layer])
+  return max(sizes), jnp.asarray(windows)[layer] > 0
 
 
 def check_windows(windows, capacity, page_size: int) -> tuple[int, ...]:
