@@ -502,3 +502,12 @@ def test_weight_cache_restores_gemma3(gemma3_path, tmp_path):
                                                                                add_bos=None)
   ids = np.array([first.tokenizer.encode("The capital of France is", add_bos=None)])
   np.testing.assert_array_equal(np.asarray(again.forward(ids)), np.asarray(first.forward(ids)))
+
+
+def test_gemma3_270m_prompts_are_gemma_turns_with_the_lead_in(gemma3_lm):
+  tok = gemma3_lm.tokenizer
+  assert not tok.has_chat_template  # the base model's GGUF
+  sample = kvjax.tasks.make_sample(tok, "niah", length=600, haystack="repeat", seed=1)
+  assert sample.prompt.startswith("<start_of_turn>user\n")
+  assert sample.question.endswith("<end_of_turn>\n<start_of_turn>model\nThe pass key is ")
+  assert tok.encode(sample.prompt, add_bos=None)[:2] == [tok.bos_id, 105]  # <start_of_turn>

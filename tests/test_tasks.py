@@ -116,3 +116,15 @@ def test_bad_datasets_are_refused(tmp_path, content, message):
   path.write_text(content)
   with pytest.raises(dataset_lib.DatasetError, match=message):
     dataset_lib.read_rows(path)
+
+
+@pytest.mark.parametrize("task", tasks.niah.TASKS)
+def test_a_base_model_gets_the_answer_s_lead_in(tok, task):
+  # SmolLM2-Instruct ships a chat template: no lead-in unless asked for.
+  assert tok.has_chat_template
+  plain = tasks.niah.make_sample(tok, task, length=600, haystack="natural", seed=3)
+  led = tasks.niah.make_sample(tok, task, length=600, haystack="natural", seed=3, lead_in=True)
+  assert plain.question.endswith("<|im_start|>assistant\n")
+  assert led.question.startswith(plain.question) and led.question.endswith(" ")
+  assert led.question[len(plain.question):].startswith("The ")
+  assert led.num_tokens <= 600 and led.context != plain.context  # refitted around the lead-in

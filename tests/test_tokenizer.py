@@ -171,3 +171,20 @@ def test_no_chat_template_is_an_error(gguf_path):
   tok = tokenizer_lib.Tokenizer.from_gguf_metadata(data)
   with pytest.raises(ValueError, match="chatml"):
     tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_gemma_turns_render_as_gemma_s_template():
+  messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+              {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]
+  assert tokenizer_lib.gemma_turns(messages) == (
+      "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+      "<start_of_turn>model\nHello<end_of_turn>\n"
+      "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+  assert tokenizer_lib.gemma_turns([{"role": "user", "content": "Hi"}],
+                                   add_generation_prompt=False) == \
+      "<start_of_turn>user\nHi<end_of_turn>\n"
+
+
+def test_chat_picks_the_vocabulary_s_markup(tok):
+  messages = [{"role": "user", "content": "Hi"}]
+  assert tok.chat(messages) == tok.chatml(messages)
