@@ -31,6 +31,7 @@ import jax
 
 import kvjax
 
+flags.DEFINE_string("model", "smollm2-135m-instruct", "Registry name, .gguf path or folder.")
 flags.DEFINE_integer("length", 4096, "Document + question length in tokens.")
 flags.DEFINE_list("policies", ["full", "snapkv:256", "sablock:256"],
                   "name[:budget] entries (no budget: full).")
@@ -47,9 +48,10 @@ _FACT = re.compile(r"The special magic number for (\w+) is (\d+)\.")
 def _questions(sample):
   """(question tail, expected answer) for every fact of the document, in its order."""
   facts = dict(_FACT.findall(sample.context))
-  first = re.search(r"What is the special magic number for (\w+)\?", sample.question).group(0)
-  return [(sample.question.replace(first, f"What is the special magic number for {name}?"),
-           value) for name, value in facts.items()]
+  first = re.search(r"What is the special magic number for (\w+)\?", sample.question).group(1)
+  # The name is asked for, and named again in a base model's answer lead-in.
+  return [(sample.question.replace(f"number for {first}", f"number for {name}"), value)
+          for name, value in facts.items()]
 
 
 def _folder_bytes(path: pathlib.Path) -> int:
@@ -122,7 +124,7 @@ def _report(results, command, lm, sample_tokens, questions):
       command,
       "```",
       "",
-      f"SmolLM2-135M-Instruct (float32, {jax.default_backend()}: {machine}, "
+      f"{FLAGS.model} (float32, {jax.default_backend()}: {machine}, "
       f"{jax.device_count()} device), one {FLAGS.haystack}-haystack "
       f"multi-key NIAH document of {sample_tokens} tokens (chat markup included, question "
       f"excluded), {len(questions)} questions about it (one per fact), greedy answers of up "
@@ -173,7 +175,7 @@ def main(argv):
     logging.getLogger(noisy).setLevel(logging.WARNING)
   out = pathlib.Path(FLAGS.out)
   out.mkdir(parents=True, exist_ok=True)
-  lm = kvjax.load("smollm2-135m-instruct")
+  lm = kvjax.load(FLAGS.model)
   sample = kvjax.tasks.make_sample(lm.tokenizer, "niah_multikey", length=FLAGS.length,
                                    haystack=FLAGS.haystack)
   questions = _questions(sample)
