@@ -169,6 +169,28 @@ def test_policies_budget_the_global_layers_only(name, fields, budget):
   assert result.cache.capacity[0] == (16, 16)
 
 
+@pytest.mark.parametrize("name, fields, budget", [
+    ("full", {}, None), ("snapkv", dict(window=4), 24), ("streaming_llm", dict(n_sink=2), 24)])
+def test_a_saved_compressed_cache_keeps_its_rings(name, fields, budget, tmp_path):
+  # Compress once past the window, save, load, answer: generate's tokens (query-agnostic).
+  model = _hf_model(sliding_window=16)
+  lm = _kvjax_from_hf(model, scan_layers=True)
+  rng = np.random.default_rng(6)
+  document = rng.integers(0, SIZES["vocab_size"], 50).tolist()
+  question = rng.integers(0, SIZES["vocab_size"], 7).tolist()
+  policy = kvjax.policies.get(name, **fields)
+  context = kvjax.compress(lm, [document], policy=policy, budget=budget, room=64 + 8)
+  loaded = kvjax.load_cache(kvjax.save_cache(tmp_path / "doc", context), lm)
+  assert loaded.cache.windows == context.cache.windows == lm.config.layer_windows
+  (got,) = kvjax.answer(lm, loaded, [question], max_new_tokens=8, stop_ids=[])
+  want = kvjax.generate(lm, [document], questions=[question], query_aware=False,
+                        policy=policy, budget=budget, max_new_tokens=8, stop_ids=[])
+  assert got.token_ids == want.token_ids
+  np.testing.assert_array_equal(got.cache.kept_positions(), want.cache.kept_positions())
+  if name == "full":
+    _check_greedy(model, document + question, got.token_ids[0])
+
+
 def test_a_window_the_pages_do_not_tile_is_refused():
   lm = _kvjax_from_hf(_hf_model(sliding_window=12), scan_layers=True)
   with pytest.raises(ValueError, match="sliding window of 12 tokens must be a multiple of "

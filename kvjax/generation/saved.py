@@ -200,7 +200,8 @@ def trimmed(cache: PagedKVCache) -> PagedKVCache:
   _, l, k, _ = cache.page_table.shape
   return relaid(cache, PagedKVCache.create(
       batch_size=cache.batch_size, capacity=capacity.tolist(), num_layers=l, num_kv_heads=k,
-      head_dim=cache.k_pages.shape[-1], page_size=ps, dtype=cache.k_pages.dtype))
+      head_dim=cache.k_pages.shape[-1], page_size=ps, dtype=cache.k_pages.dtype,
+      windows=cache.windows or None))
 
 
 def relaid(cache: PagedKVCache, empty: PagedKVCache, *, extra_tokens: int = 0) -> PagedKVCache:
