@@ -20,6 +20,7 @@ import tempfile
 
 from absl import app
 from absl import flags
+import numpy as np
 
 flags.DEFINE_list("models", ["smollm2-135m-instruct", "gemma3-270m"], "Registry names or paths.")
 flags.DEFINE_string("out", "results/load_times.json", "Rows, JSON.")
@@ -52,7 +53,6 @@ def _load(name: str, cache: str) -> dict:
 
 def measure(name: str) -> dict:
   """The three loads of one model."""
-  import numpy as np
   with tempfile.TemporaryDirectory() as tmp:
     plain = _load(name, "")
     first = _load(name, tmp)

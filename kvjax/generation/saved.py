@@ -201,7 +201,7 @@ def trimmed(cache: PagedKVCache) -> PagedKVCache:
   return relaid(cache, PagedKVCache.create(
       batch_size=cache.batch_size, capacity=capacity.tolist(), num_layers=l, num_kv_heads=k,
       head_dim=cache.k_pages.shape[-1], page_size=ps, dtype=cache.k_pages.dtype,
-      windows=cache.windows or None))
+      windows=cache.windows))
 
 
 def relaid(cache: PagedKVCache, empty: PagedKVCache, *, extra_tokens: int = 0) -> PagedKVCache:
