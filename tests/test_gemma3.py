@@ -169,6 +169,33 @@ def test_policies_budget_the_global_layers_only(name, fields, budget):
   assert result.cache.capacity[0] == (16, 16)
 
 
+def test_shared_runs_on_rings_equal_one_generate_per_run(tmp_path):
+  # One recorded forward, then H2O at two budgets (sharing its scores of the
+  # global layers) and Duo with gates for the global layers only: each run
+  # keeps what a generate call of its own keeps, and the rings their window.
+  from kvjax.retrieval_heads import gates_io
+  lm = _kvjax_from_hf(_hf_model(sliding_window=16), scan_layers=True)
+  gates = gates_io.save_gates(tmp_path / "gates", [[0.2, 0.1], [0.3, 1.0]], model="tiny",
+                              n_sink=2, recent=8, steps=1, losses=[0.0])
+  h2o = kvjax.policies.get("h2o", recent=4)
+  runs = [(h2o, 24), (h2o, 32), (kvjax.policies.get("duo", gates=str(gates), n_sink=2,
+                                                    recent=8), 24)]
+  prompt = np.random.default_rng(7).integers(0, SIZES["vocab_size"], 60).tolist()
+  kw = dict(max_new_tokens=6, stop_ids=[])
+  for (policy, budget), got in zip(runs, kvjax.generate_each(lm, [prompt], runs, **kw)):
+    want = kvjax.generate(lm, [prompt], policy=policy, budget=budget, **kw)
+    assert got.token_ids == want.token_ids, (policy.name, budget)
+    kept = np.asarray(got.cache.kept_positions())
+    np.testing.assert_array_equal(kept, want.cache.kept_positions())
+    for layer, kind in enumerate(LAYER_TYPES):
+      if kind == SLIDING:
+        assert {int(p) for p in kept[0, layer].reshape(-1) if p >= 0} == set(range(49, 65))
+  # Duo: the highest gate (row 1: the second global layer, 5; its head 1)
+  # holds the whole prompt and the 5 new tokens the cache took; each other
+  # head its streaming share, 10 tokens and the 5.
+  np.testing.assert_array_equal((kept[0, [2, 5]] >= 0).sum(-1), [[15, 15], [15, 65]])
+
+
 @pytest.mark.parametrize("name, fields, budget", [
     ("full", {}, None), ("snapkv", dict(window=4), 24), ("streaming_llm", dict(n_sink=2), 24)])
 def test_a_saved_compressed_cache_keeps_its_rings(name, fields, budget, tmp_path):

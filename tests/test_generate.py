@@ -170,9 +170,11 @@ class GenerateTest(absltest.TestCase):
     # generate_each runs the prompt's forward once and stores each policy's
     # choice of the recorded q, k, v: the same tokens and kept entries as a
     # generate call per run, for prefill-only, decode-evicting and
-    # per-layer-budget policies, query-aware and query-agnostic.
+    # per-layer-budget policies, query-aware and query-agnostic; H2O's two
+    # budgets share its scores (``Policy.shares_scores``).
     runs = [("full", None), (policies.get("snapkv", window=8), 24),
-            (policies.get("h2o", recent=8), 24), (policies.get("pyramidkv", window=8), 24),
+            (policies.get("h2o", recent=8), 24), (policies.get("h2o", recent=8), 32),
+            (policies.get("pyramidkv", window=8), 24),
             ("paged_eviction", 48)]
     questions = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     for query_aware in (True, False):
@@ -181,6 +183,7 @@ class GenerateTest(absltest.TestCase):
       each = list(generate_lib.generate_each(self.lm, self.prompts, runs, **kw))
       self.assertLessEqual(generate_lib.COMPILE_COUNT["record"], before["record"] + 1)
       self.assertEqual(generate_lib.COMPILE_COUNT["prefill"], before["prefill"])
+      self.assertLessEqual(generate_lib.COMPILE_COUNT["score"], before["score"] + 1)
       self.assertLen(each, len(runs))
       for (policy, budget), got in zip(runs, each):
         want = kvjax.generate(self.lm, self.prompts, policy=policy, budget=budget, **kw)

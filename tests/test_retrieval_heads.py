@@ -20,6 +20,7 @@ import pytest
 import kvjax
 from kvjax import testing
 from kvjax.models import lm as lm_lib
+from kvjax.models.gemma3 import reference_attend
 from kvjax.retrieval_heads import data as data_lib
 from kvjax.retrieval_heads import gates_io
 from kvjax.retrieval_heads import train
@@ -198,8 +199,7 @@ def test_the_planted_retrieval_head_keeps_the_highest_gate():
   # head moves the answer's hidden states, on any other head next to nothing.
   tokens, answer = data(np.random.default_rng(1))
   tokens, answer = jnp.asarray(tokens), jnp.asarray(answer)
-  full = train._hidden(lm.graphdef, lm.params, tokens,
-                       lambda s, l, q, k, v: (s, train.causal_attention(q, k, v)), None)
+  full = train._hidden(lm.graphdef, lm.params, tokens, reference_attend(lm.config), None)
   mse = lambda gates: float(train.gate_loss(jnp.asarray(gates, jnp.float32), full, lm.graphdef,
                                             lm.params, tokens, answer, n_sink=n_sink,
                                             recent=recent, l1=0.0)[1])

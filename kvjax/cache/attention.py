@@ -207,14 +207,33 @@ def store_prompt(cache: PagedKVCache, layer, prompt: Prompt, q: jax.Array, k: ja
   not depend on what earlier layers kept, so a prompt's recorded q, k, v
   ([B, T, N, H], [B, T, K, H]) can be stored under several policies.
   """
-  slots, scores = select(layer, prompt, q, k, v)
-  if cache.ring_window:
-    slots = jnp.where(cache.is_ring(layer), _ring_slots(prompt.positions, prompt.lengths,
-                                                        cache.ring_window, k.shape[2]), slots)
+  slots, scores = _select_or_ring(cache, layer, prompt, q, k, v, select)
   kept = (jnp.max(slots, axis=-1) + 1).astype(jnp.int32)  # [B, K]: slots fill from 0 upwards
   cache = cache.set_lengths(layer, kept)
   cache = cache.reserve(cache.lengths)
   return cache.write(layer, k, v, slots, prompt.positions, scores)
+
+
+def _select_or_ring(cache: PagedKVCache, layer, prompt: Prompt, q, k, v, select: SelectFn):
+  """``select``'s (slots, scores), or on a ring layer its window's slots (scores 0).
+
+  A ring keeps its window whatever a policy would select, so the policy's
+  scoring does not run there (a traced layer takes one branch of a cond): for
+  H2O's accumulated attention that is most of a sliding-window model's prefill.
+  """
+  ring = cache.is_ring(layer) if cache.ring_window else False
+  if ring is False:
+    return select(layer, prompt, q, k, v)
+
+  def ring_slots():
+    slots = _ring_slots(prompt.positions, prompt.lengths, cache.ring_window, k.shape[2])
+    return slots, jnp.zeros(slots.shape, jnp.float32)
+
+  def selected():
+    slots, scores = select(layer, prompt, q, k, v)
+    return slots, jnp.zeros(slots.shape, jnp.float32) if scores is None else scores
+
+  return ring_slots() if ring is True else jax.lax.cond(ring, ring_slots, selected)
 
 
 def _ring_slots(positions: jax.Array, lengths: jax.Array, window: int, kv_heads: int

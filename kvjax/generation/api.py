@@ -209,6 +209,8 @@ def generate_each(
   for i, (policy, budget) in enumerate(runs):
     # Every run counts the shared forward's time; its compilation counts once.
     clock = Clock(shared.seconds, 0.0 if i else shared.compile_s)
+    if recorded is not None:  # its first run scores for all (``Policy.shares_scores``)
+      recorded = plan_lib.share_scores(lm, batch, options, clock, recorded, policy)
     plan = plan_lib.plan_run(lm, batch, policy, budget, options, recorded)
     result = _run(lm, batch, options, plan, clock)
     yield dataclasses.replace(result, stats=dataclasses.replace(

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from kvjax import buffer_memory
 
 # Names of generate's programs (``kvjax.generation.programs``).
-PROGRAM_NAMES = ("prefill", "prefill_chunk", "record", "store", "extend", "decode")
+PROGRAM_NAMES = ("prefill", "prefill_chunk", "record", "score", "store", "extend", "decode")
 
 # Programs compiled so far, per name.
 COMPILE_COUNT = dict.fromkeys(PROGRAM_NAMES, 0)

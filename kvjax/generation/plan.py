@@ -33,6 +33,8 @@ class Recorded:
 
   qkv: tuple[jax.Array, jax.Array, jax.Array]  # q [L, B, T, N, H], k, v [L, B, T, K, H]
   logits: jax.Array  # [B, V] at each sequence's last prompt token
+  # Per policy that shares them (``Policy.shares_scores``): its scores [L, B, K, T].
+  scores: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +87,7 @@ def plan_run(lm: LanguageModel, batch: Batch, policy: policies_lib.Policy, budge
              options: Options, recorded: Recorded | None) -> RunPlan:
   """The plan of one run (``recorded``: the shared forward pass, if the runs share one)."""
   cfg = lm.config
+  scores = None if recorded is None else recorded.scores.get(policy)
   policy = policy.for_cache(page_size=options.page_size,
                             grow=batch.question_len + options.max_new_tokens)
   budgets, capacity, pages = _layout(policy, cfg, batch, options, budget)
@@ -114,7 +117,7 @@ def plan_run(lm: LanguageModel, batch: Batch, policy: policies_lib.Policy, budge
   statics = _statics(options, graphdef=lm.graphdef, policy=policy, budget=budget,
                      budgets=budgets, backend=options.backend)
   return RunPlan(policy, budget, budgets, capacity, limit,
-                 _prefill(lm, batch, options, statics, recorded), new_cache)
+                 _prefill(lm, batch, options, statics, recorded, scores), new_cache)
 
 
 def _layout(policy: policies_lib.Policy, cfg, batch: Batch, options: Options,
@@ -123,7 +126,8 @@ def _layout(policy: policies_lib.Policy, cfg, batch: Batch, options: Options,
 
   The policy sizes the global layers; a sliding-window layer is a ring of its
   window (``PagedKVCache``'s ``windows``), or of the run's tokens when fewer,
-  and keeps no budget of its own (it shows the global layers' largest).
+  and has no budget of its own: 0 in the budgets the policy's select sees
+  (a ring keeps its window whatever select keeps there).
   """
   sizes = dict(budget=budget, prompt_len=batch.prompt_len, extra_tokens=batch.question_len,
                max_new_tokens=options.max_new_tokens, page_size=options.page_size)
@@ -141,17 +145,18 @@ def _layout(policy: policies_lib.Policy, cfg, batch: Batch, options: Options,
                      f"page_size {options.page_size}: its layers' cache is a ring of whole pages")
   ring = min(window, round_up(batch.prompt_len + batch.question_len + options.max_new_tokens,
                               options.page_size))
-  top, budgets, capacity = max(budgets), iter(budgets), iter(capacity)
-  layer_budgets = [top if w else next(budgets) for w in windows]
+  budgets, capacity = iter(budgets), iter(capacity)
+  layer_budgets = [0 if w else next(budgets) for w in windows]
   layer_capacity = [ring if w else next(capacity) for w in windows]
   if pages is not None:
     pages += (cfg.num_layers - len(global_layers)) * cfg.num_kv_heads * ring // options.page_size
   return tuple(layer_budgets), tuple(layer_capacity), pages
 
 
-def _prefill(lm, batch: Batch, options: Options, statics: dict,
-             recorded: Recorded | None) -> Prefill:
-  """A run's prefill: chunk by chunk, from a recorded forward pass, or one shot."""
+def _prefill(lm, batch: Batch, options: Options, statics: dict, recorded: Recorded | None,
+             scores=None) -> Prefill:
+  """A run's prefill: chunk by chunk, from a recorded forward pass (and the
+  policy's shared ``scores``, if any), or one shot."""
   tokens, lengths = batch.tokens, batch.lengths
   if options.prefill_chunk:
     chunk = options.prefill_chunk
@@ -169,7 +174,7 @@ def _prefill(lm, batch: Batch, options: Options, statics: dict,
   if recorded is not None:
     return Prefill(programs.store, statics, (0,),
                    lambda cache, *_: (lm.params, cache, recorded.qkv, to_device(tokens),
-                                      to_device(lengths)),
+                                      to_device(lengths)) + (() if scores is None else (scores,)),
                    recorded.logits, returns_logits=False)
   return Prefill(programs.prefill, dict(statics, block=options.attention_block), (0,),
                  lambda cache, *_: (lm.params, cache, to_device(tokens), to_device(lengths)),
@@ -193,6 +198,22 @@ def record(lm: LanguageModel, batch: Batch, options: Options, clock: Clock) -> R
   statics = _statics(options, graphdef=lm.graphdef, block=options.attention_block,
                      backend=options.backend)
   return Recorded(*clock.run("prefill", programs.record, args, statics))
+
+
+def share_scores(lm: LanguageModel, batch: Batch, options: Options, clock: Clock,
+                 recorded: Recorded, policy: policies_lib.Policy) -> Recorded:
+  """``recorded`` with ``policy``'s scores, computed (on ``clock``) by the first of
+  its runs: a policy that ``shares_scores`` scores a recorded prompt once for
+  all its budgets. Other policies, and runs on a mesh, get ``recorded`` as it is."""
+  if not policy.shares_scores or options.mesh is not None or policy in recorded.scores:
+    return recorded
+  cfg = lm.config
+  buffer = jnp.zeros((cfg.num_layers, batch.size, cfg.num_kv_heads, batch.prompt_len),
+                     jnp.float32)
+  args = (lm.params, buffer, recorded.qkv, to_device(batch.tokens), to_device(batch.lengths))
+  statics = dict(graphdef=lm.graphdef, policy=policy, backend=options.backend)
+  scores = clock.run("prefill", programs.score, args, statics)
+  return dataclasses.replace(recorded, scores={**recorded.scores, policy: scores})
 
 
 def append_questions(lm: LanguageModel, batch: Batch, options: Options, clock: Clock,

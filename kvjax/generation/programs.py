@@ -2,6 +2,7 @@
 
   prefill        the prompt's forward pass, filling (and compressing) the cache
   record         the prompt's forward pass, recording every layer's q, k, v
+  score          a policy's scores of a recorded prompt, shared by its runs' stores
   store          what a policy keeps of a recorded prompt, into the cache
   prefill_chunk  one prompt chunk: attend to the cache and itself, compress back
   extend         a chunk (the question) appended to the cache uncompressed
@@ -98,17 +99,49 @@ def record(params, buffers, tokens, lengths, *, graphdef, block, backend):
     return _forward(graphdef, params, tokens, _positions(tokens), buffers, attend, lengths - 1)
 
 
-def store(params, cache, recorded, tokens, lengths, *, graphdef, policy, budget, budgets,
-          backend):
+def score(params, scores, recorded, tokens, lengths, *, graphdef, policy, backend):
+  """A policy's prefill scores of a recorded prompt (``record``) on every global layer.
+
+  The runs of one recorded prompt at several budgets store from them
+  (``Policy.shares_scores``: H2O's accumulated attention is a second attention
+  pass over the prompt, the same at every budget).
+
+  Args:
+    scores: [L, B, K, T] float32 to fill (donated); sliding-window layers keep
+      their window and get zeros.
+
+  Returns:
+    the filled scores.
+  """
+  windows = nnx.merge(graphdef, params).config.layer_windows
+  global_layers = jnp.asarray([layer for layer, w in enumerate(windows) if not w])
+  with backend_lib.use(backend):
+    prompt = attention_lib.Prompt(tokens, _positions(tokens), lengths)
+
+    def layer_scores(layer):
+      q, k, v = (x[layer] for x in recorded)
+      return policy.score(prompt, q, k, v).astype(scores.dtype)
+
+    return jnp.zeros_like(scores).at[global_layers].set(
+        jax.lax.map(layer_scores, global_layers))
+
+
+def store(params, cache, recorded, tokens, lengths, scores=None, *, graphdef, policy, budget,
+          budgets, backend):
   """Stores what the policy keeps of a recorded prompt (``record``) in every layer.
 
   Takes (and ignores) params so that, like every program here, the cache is
   argument 1, the one that is donated. Returns the cache.
+
+  Args:
+    scores: None, or the policy's scores [L, B, K, T] (``score``) to keep by
+      instead of scoring each layer here.
   """
   del params, graphdef
   with backend_lib.use(backend):
     prompt = attention_lib.Prompt(tokens, _positions(tokens), lengths)
-    select = policy.select_recorded(budget, budgets, prompt, recorded)
+    select = (policy.select_recorded(budget, budgets, prompt, recorded) if scores is None
+              else policy.select(budget, budgets, scores))
 
     def layer_body(layer, cache):
       q, k, v = (x[layer] for x in recorded)

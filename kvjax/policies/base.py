@@ -42,6 +42,11 @@ class Policy:
   evicts_during_decode: ClassVar[bool] = False
   # Keeps, per slot, the attention it received (cache.scores), updated each decode step.
   accumulates_attention: ClassVar[bool] = False
+  # Its runs at several budgets over one recorded prompt can share its scores
+  # (``select``'s layer_scores): ``score`` depends on neither budget, and it
+  # keeps by the base class's ``select``. Worth it where scoring costs a pass
+  # over the prompt (H2O).
+  shares_scores: ClassVar[bool] = False
   # Can compress after each chunk of a chunked prefill: its scores come from an
   # observation window or from keys and values, not from the prompt's text or
   # from every prompt query.
@@ -166,13 +171,20 @@ class Policy:
     del prompt, recorded
     return self.select(budget, layer_budgets)
 
-  def select(self, budget: int | None, layer_budgets: tuple[int, ...]) -> attention_lib.SelectFn:
-    """The prefill keep rule: select(layer, prompt, q, k, v) -> (slots, slot scores | None)."""
+  def select(self, budget: int | None, layer_budgets: tuple[int, ...],
+             layer_scores: jax.Array | None = None) -> attention_lib.SelectFn:
+    """The prefill keep rule: select(layer, prompt, q, k, v) -> (slots, slot scores | None).
+
+    ``layer_budgets`` has one entry per layer, 0 on a sliding-window layer
+    (a ring, which keeps its window whatever select keeps there).
+    ``layer_scores``: [L, B, K, T] this policy's ``score`` of every layer,
+    computed once for several budgets (``shares_scores``); None: scored here.
+    """
     max_budget = max(layer_budgets)
     table = jnp.asarray(layer_budgets, jnp.int32)
 
     def select(layer, prompt, q, k, v):
-      scores = self.score(prompt, q, k, v)
+      scores = self.score(prompt, q, k, v) if layer_scores is None else layer_scores[layer]
       keep = self.keep(scores, prompt, table[layer], max_budget)
       slots = selection.slots_from_keep(keep)
       return slots, (scores if self.accumulates_attention else None)

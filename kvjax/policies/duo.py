@@ -21,6 +21,9 @@ Parameters:
   n_sink   4    first tokens every head keeps (StreamingLLM's)
   recent   60   recent tokens of a streaming head
 
+A model with sliding-window layers (Gemma 3) has gates for its global layers
+only: its local layers keep their window as a ring, which no budget sizes.
+
 Ours where the paper is silent: the paper sets the share of retrieval heads
 by thresholding the gates and keeps the full cache in them; here the budget
 sets how many heads the memory allows. Nothing is evicted while decoding (the
@@ -120,12 +123,14 @@ class Duo(Policy):
     return StreamingLLM(n_sink=self.n_sink).score(prompt, q, k, v)
 
   def select(self, budget, layer_budgets):
-    num_layers = len(layer_budgets)
+    # The gates cover the global layers (budget > 0); a ring layer keeps its window.
+    global_layers = [l for l, b in enumerate(layer_budgets) if b]
 
     def select(layer, prompt, q, k, v):
       b, t, kh, _ = k.shape
-      table = self.head_budgets(budget, t, num_layers, kh)
-      budgets = jnp.broadcast_to(jnp.asarray(table, jnp.int32)[layer], (b, kh))
+      table = np.zeros((len(layer_budgets), kh), np.int32)
+      table[global_layers] = self.head_budgets(budget, t, len(global_layers), kh)
+      budgets = jnp.broadcast_to(jnp.asarray(table)[layer], (b, kh))
       keep = selection.keep_top(self.score(prompt, q, k, v), budgets, int(table.max()))
       return selection.slots_from_keep(keep), None
 

@@ -38,6 +38,7 @@ class H2O(Policy):
   chunked_prefill: ClassVar[bool] = False  # scores with every prompt query
   evicts_during_decode: ClassVar[bool] = True
   accumulates_attention: ClassVar[bool] = True
+  shares_scores: ClassVar[bool] = True  # its score is a second attention pass
   recent: int = 32  # most recent tokens always kept (H2O's recent window)
   group: str = "mean"  # reduction over the query heads of a KV head
 

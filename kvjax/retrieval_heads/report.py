@@ -46,14 +46,16 @@ class TrainConfig:
                          recent=self.recent, l1=self.l1, seed=self.seed)
 
 
-def gates_table(gates: np.ndarray) -> str:
-  """A markdown table of gates [L, K]: one row a layer, one column a KV head."""
+def gates_table(gates: np.ndarray, layers=None) -> str:
+  """A markdown table of gates [L, K]: one row a layer (numbered by ``layers``,
+  default 0..L-1), one column a KV head."""
   gates = np.asarray(gates)
   heads = range(gates.shape[1])
+  layers = range(len(gates)) if layers is None else layers
   lines = ["| layer | " + " | ".join(f"kv {k}" for k in heads) + " |",
            "|---:|" + "---:|" * gates.shape[1]]
   lines += [f"| {i} | " + " | ".join(f"{g:.3f}" for g in row) + " |"
-            for i, row in enumerate(gates)]
+            for i, row in zip(layers, gates)]
   return "\n".join(lines)
 
 
@@ -124,7 +126,7 @@ def train_and_save(cfg: TrainConfig, out: str | pathlib.Path,
   plot(out / "loss_curve.png", rows, gates,
        f"{cfg.model}: {cfg.steps} steps of {cfg.batch_size} x {cfg.length} tokens")
   text = (f"gates of {cfg.model} (rows: layers, columns: KV heads; 1 = retrieval head):\n"
-          f"{gates_table(gates)}\n"
+          f"{gates_table(gates, train.gated_layers(lm.config.layer_windows))}\n"
           f"loss {losses[0]:.4g} at the first step, {losses[-1]:.4g} at the last\n"
           f"wall time {seconds:.1f} s ({cfg.steps} steps, model load included)")
   return dict(gates=gates, losses=losses, seconds=seconds, gates_dir=gates_dir, text=text)

@@ -7,9 +7,9 @@ that head's query group:
 
 where streaming attention sees only the first ``n_sink`` keys and the
 ``recent`` most recent ones. The model's weights are frozen; only the gates
-[L, K] (initialised to 1) are trained, with Adam, to keep the final hidden
-states at the answer positions of passkey prompts (``kvjax.retrieval_heads.data``)
-where full attention puts them, while an L1 term pulls every gate towards 0
+[L, K] (initialised to 1; a sliding-window model's global layers only) are
+trained, with Adam, to keep the final hidden states at the answer positions
+of passkey prompts (``kvjax.retrieval_heads.data``) where full attention puts them, while an L1 term pulls every gate towards 0
 (streaming). A head whose gate stays high is a retrieval head: streaming
 attention there changes what the model says. A head whose gate falls to 0
 loses nothing by keeping only sinks and recent tokens.
@@ -30,7 +30,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from kvjax.cache.attention import causal_attention
+from kvjax.cache.paged import layer_window
+from kvjax.models.gemma3 import reference_attend
 from kvjax.retrieval_heads import data as data_lib
 
 # Defaults, sized so that SmolLM2-135M (30 layers, 3 KV heads) trains in a few
@@ -65,7 +66,7 @@ def streaming_mask(t: int, *, n_sink: int, recent: int) -> jax.Array:
 
 
 def mixed_attention(q: jax.Array, k: jax.Array, v: jax.Array, gates_layer: jax.Array, *,
-                    n_sink: int, recent: int) -> jax.Array:
+                    n_sink: int, recent: int, window: int | jax.Array = 0) -> jax.Array:
   """Each KV head's gate-weighted mix of full causal and streaming attention.
 
   Args:
@@ -74,6 +75,8 @@ def mixed_attention(q: jax.Array, k: jax.Array, v: jax.Array, gates_layer: jax.A
       head's gate applies to its group of G = N / K query heads (heads
       n = k * G ... k * G + G - 1, as the model's grouped-query attention).
     n_sink, recent: the streaming side's keys (``streaming_mask``).
+    window: the full side's keys are the last ``window`` (0: all, causal), as
+      a sliding-window layer sees them; may be traced (a scanned layer's).
 
   Returns:
     [B, T, N, H] in q's dtype; scores and softmaxes in float32.
@@ -87,6 +90,7 @@ def mixed_attention(q: jax.Array, k: jax.Array, v: jax.Array, gates_layer: jax.A
   qg = q.astype(jnp.float32).reshape(b, t, kh, n // kh, h)
   scores = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(jnp.float32)) * h ** -0.5
   causal = jnp.tril(jnp.ones((t, t), bool))
+  causal &= (window == 0) | (jnp.arange(t)[:, None] - jnp.arange(t)[None, :] < window)
   stream = streaming_mask(t, n_sink=n_sink, recent=recent)
   full_p = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
   stream_p = jax.nn.softmax(jnp.where(stream, scores, -jnp.inf), axis=-1)
@@ -110,11 +114,19 @@ def answer_mask(answer: jax.Array, t: int) -> jax.Array:
   return (jnp.arange(t)[None, :] >= t - answer[:, None]).astype(jnp.float32)
 
 
+def gated_layers(windows) -> list[int]:
+  """The layers that get a gate: the global ones (a sliding-window layer, 0 < W,
+  keeps its window as a ring whatever its gate would say)."""
+  return [layer for layer, w in enumerate(windows) if not w]
+
+
 def gate_loss(gates, hidden_full, graphdef, params, tokens, answer, *, n_sink, recent, l1):
   """The paper's loss: (mixed - full)^2 on the answer positions, + l1 * mean(|gates|).
 
   Args:
-    gates: [L, K]; hidden_full: [B, T, D] full attention's final hidden states;
+    gates: [L', K], one row per global layer (``gated_layers``); the model's
+      sliding-window layers attend as they do in the model.
+    hidden_full: [B, T, D] full attention's final hidden states;
     tokens: [B, T] int32; answer: [B] int32 (``answer_mask``).
 
   Returns:
@@ -125,9 +137,14 @@ def gate_loss(gates, hidden_full, graphdef, params, tokens, answer, *, n_sink, r
   # probabilities, kept for all L layers, cost more to write and read back
   # than to recompute (a step ran ~1.5x faster).
   mixed = jax.checkpoint(functools.partial(mixed_attention, n_sink=n_sink, recent=recent))
+  windows = nnx.merge(graphdef, params).config.layer_windows
+  rows = np.cumsum([not w for w in windows]) - 1  # a global layer's row of the gates
 
   def attend(state, layer, q, k, v):
-    return state, mixed(q, k, v, state[layer])
+    # A sliding-window layer attends over its window, ungated (gate 1).
+    window, local = layer_window(windows, layer)
+    gate = jnp.where(local, 1.0, state[jnp.asarray(rows)[layer]])
+    return state, mixed(q, k, v, gate, window=jnp.where(local, window, 0))
 
   hidden = _hidden(graphdef, params, tokens, attend, gates)
   mask = answer_mask(answer, tokens.shape[1])
@@ -147,12 +164,10 @@ def make_update(graphdef, optimizer: optax.GradientTransformation, *, n_sink: in
   gradient. Gates are clipped to [0, 1] after Adam's update.
   """
 
-  def full_attend(state, layer, q, k, v):
-    del layer
-    return state, causal_attention(q, k, v)
-
   @jax.jit
   def update(params, gates, opt_state, tokens, answer):
+    # The model's own attention: causal, windowed on sliding-window layers.
+    full_attend = reference_attend(nnx.merge(graphdef, params).config)
     hidden_full = jax.lax.stop_gradient(_hidden(graphdef, params, tokens, full_attend, None))
     (loss, mse), grads = jax.value_and_grad(gate_loss, has_aux=True)(
         gates, hidden_full, graphdef, params, tokens, answer, n_sink=n_sink, recent=recent,
@@ -211,7 +226,8 @@ def train_gates(lm, *, steps: int = STEPS, learning_rate: float = LEARNING_RATE,
       seconds since the start).
 
   Returns:
-    (gates [L, K] float32 in [0, 1], higher = more of a retrieval head;
+    (gates [L', K] float32 in [0, 1], one row per global layer (every layer
+     but a sliding-window model's local ones), higher = more of a retrieval head;
      the loss of each step).
 
   Raises:
@@ -228,7 +244,7 @@ def train_gates(lm, *, steps: int = STEPS, learning_rate: float = LEARNING_RATE,
     data = data_lib.batches(lm.tokenizer, length=length, batch_size=batch_size,
                             vocab_size=config.vocab_size)
   optimizer = optax.adam(learning_rate)
-  gates = jnp.ones((config.num_layers, config.num_kv_heads), jnp.float32)
+  gates = jnp.ones((len(gated_layers(config.layer_windows)), config.num_kv_heads), jnp.float32)
   opt_state = optimizer.init(gates)
   update = make_update(lm.graphdef, optimizer, n_sink=int(n_sink), recent=int(recent),
                        l1=float(l1))
