@@ -142,11 +142,11 @@ def run_under_sanitizers(harness, sanitizers: str):
 def policy_for(name: str, config, folder: str | pathlib.Path, delimiter_ids=(5, 6, 7)):
   """Policy ``name`` with what it needs to run on a model of ``config``: ``delimiter_ids``
   for the policies that cut at delimiters, and for ``duo`` gates of the model's shape
-  (decreasing) written to ``folder``/gates."""
+  (decreasing; one row per global layer) written to ``folder``/gates."""
   from kvjax import policies  # pylint: disable=g-import-not-at-top
   if name == "duo":
     from kvjax.retrieval_heads import save_gates  # pylint: disable=g-import-not-at-top
-    shape = (config.num_layers, config.num_kv_heads)
+    shape = (sum(not w for w in config.layer_windows), config.num_kv_heads)
     gates = np.linspace(1.0, 0.0, np.prod(shape), dtype=np.float32).reshape(shape)
     path = pathlib.Path(folder) / "gates"
     save_gates(path, gates, model=config.name, n_sink=4, recent=60, steps=1, losses=[0.0])

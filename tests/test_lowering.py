@@ -157,7 +157,7 @@ def _every_program(lowered, name, backend, config_name, scan_layers, tmp_path):
                  questions=[[9, 10, 11]] * 2, query_aware=False, **kw)
   programs = {"prefill", "extend", "decode"}
   list(kvjax.generate_each(lm, [prompt], [(policy, budget), ("full", None)], **kw))
-  programs |= {"record", "store"}
+  programs |= {"record", "store"} | ({"score"} if policy.shares_scores else set())
   if policy.chunked_prefill:
     kvjax.generate(lm, [prompt], policy=policy, budget=budget, prefill_chunk=512, **kw)
     programs.add("prefill_chunk")
@@ -174,7 +174,7 @@ def test_every_program_lowers(lowered, name, backend, config_name, scan_layers, 
   _every_program(lowered, name, backend, config_name, scan_layers, tmp_path)
 
 
-@pytest.mark.parametrize("name", ["full", "snapkv", "h2o", "paged_eviction"])
+@pytest.mark.parametrize("name", ["full", "snapkv", "h2o", "paged_eviction", "duo"])
 def test_gemma3_rings_lower(lowered, name, tmp_path):
   """Gemma 3 270M's shape, its local layers rings: a 2047-token prompt wraps them in
   the prefill, the chunked prefill and the question; the decode loop writes over them."""
