@@ -66,8 +66,9 @@ def write_losses(path: pathlib.Path, rows: list[dict[str, Any]]) -> pathlib.Path
 
 
 def plot(path: pathlib.Path, rows: list[dict[str, Any]], gates: np.ndarray,
-         title: str) -> pathlib.Path:
-  """The loss (and its squared-error part) by step, beside the gates [L, K] as an image."""
+         title: str, layers=None) -> pathlib.Path:
+  """The loss (and its squared-error part) by step, beside the gates [L, K] as an
+  image (its columns numbered by ``layers``, default 0..L-1)."""
   fig, (curve, image) = plots.panels(2, 5.0, 3.8)
   steps = [r["step"] for r in rows]
   curve.plot(steps, [r["loss"] for r in rows], label="loss", color="tab:blue")
@@ -82,6 +83,8 @@ def plot(path: pathlib.Path, rows: list[dict[str, Any]], gates: np.ndarray,
   shown = image.imshow(np.asarray(gates).T, aspect="auto", vmin=0.0, vmax=1.0, cmap="viridis",
                        interpolation="nearest")
   image.set_xlabel("layer")
+  if layers is not None:
+    image.set_xticks(range(len(layers)), [str(l) for l in layers])
   image.set_ylabel("KV head")
   image.set_yticks(range(np.shape(gates)[1]))
   image.set_title("gates (1 = retrieval head, 0 = streaming)", fontsize=9)
@@ -123,10 +126,11 @@ def train_and_save(cfg: TrainConfig, out: str | pathlib.Path,
                                   recent=cfg.recent, steps=cfg.steps, losses=losses,
                                   settings=settings)
   write_losses(out / "losses.jsonl", rows)
+  layers = train.gated_layers(lm.config.layer_windows)
   plot(out / "loss_curve.png", rows, gates,
-       f"{cfg.model}: {cfg.steps} steps of {cfg.batch_size} x {cfg.length} tokens")
+       f"{cfg.model}: {cfg.steps} steps of {cfg.batch_size} x {cfg.length} tokens", layers)
   text = (f"gates of {cfg.model} (rows: layers, columns: KV heads; 1 = retrieval head):\n"
-          f"{gates_table(gates, train.gated_layers(lm.config.layer_windows))}\n"
+          f"{gates_table(gates, layers)}\n"
           f"loss {losses[0]:.4g} at the first step, {losses[-1]:.4g} at the last\n"
           f"wall time {seconds:.1f} s ({cfg.steps} steps, model load included)")
   return dict(gates=gates, losses=losses, seconds=seconds, gates_dir=gates_dir, text=text)
