@@ -84,11 +84,14 @@ class Duo(Policy):
     return self.n_sink
 
   def gate_table(self, num_layers: int, num_kv_heads: int) -> np.ndarray:
-    """float32 [L, K] gates, checked against the model's shape."""
+    """float32 [L, K] gates, checked against the model's shape (L: its global layers)."""
     gates = _load(self.gates)
     if gates.shape != (num_layers, num_kv_heads):
+      from kvjax.retrieval_heads import gates_io  # pylint: disable=g-import-not-at-top
       raise ValueError(f"policy 'duo': gates {self.gates!r} are for {gates.shape[0]} layers x "
-                       f"{gates.shape[1]} KV heads; this model has {num_layers} x {num_kv_heads}")
+                       f"{gates.shape[1]} KV heads; this model has {num_layers} (global) x "
+                       f"{num_kv_heads}. kvjax ships gates for {gates_io.shipped()} "
+                       "(duo:gates=NAME), or train them: python -m kvjax.retrieval_heads")
     return gates
 
   def head_budgets(self, budget: int, prompt_len: int, num_layers: int,
