@@ -14,9 +14,9 @@ Parameters:
 Ours where the paper is silent: the prefill score is the attention each key
 receives summed over every prompt query (computed blockwise, no T x T
 matrix) and, being the same at every budget, shared by the runs of one
-recorded prompt (``shares_scores``); ``recent`` is a fixed count, where the paper splits the budget half
-and half (set ``recent=budget // 2`` for that); kvpress has no H2O press
-(its ObservedAttentionPress is related).
+recorded prompt (``shares_scores``); ``recent`` is a fixed count, where the
+paper splits the budget half and half (set ``recent=budget // 2`` for that);
+kvpress has no H2O press (its ObservedAttentionPress is related).
 """
 
 from __future__ import annotations
