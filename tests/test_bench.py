@@ -1,5 +1,6 @@
 """Benchmark plumbing on tiny configurations: rows, fields, files. No timing assertions."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from kvjax import policies
 from kvjax.bench import report
 from kvjax.bench import runner
 from kvjax.eval import policy_entries
+from kvjax.models.config import Gemma3Config
 
 FIELDS = ("model", "policy", "budget", "context_length", "batch_size", "decode_steps", "fill",
           "backend", "decode_ms_per_token", "decode_tokens_per_s", "prefill_s", "kv_bytes",
@@ -254,3 +256,15 @@ def test_memory_estimate_grows_with_batch_steps_and_length():
   assert e(batch_size=2) > e() and e(decode_steps=400) > e() and e(context_length=4096) > e()
   # A full cache of 10**9 tokens: 2 (k, v) x L x K x H x 4 bytes a token, at least.
   assert e(context_length=10**9) > 10**9 * 2 * 3 * 2 * 8 * 4
+
+
+def test_a_synthetic_fill_of_a_model_with_rings_is_refused():
+  config = Gemma3Config(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2,
+                        num_kv_heads=1, head_dim=16, intermediate_size=64,
+                        max_position_embeddings=1024, sliding_window=64,
+                        layer_types=("sliding_attention", "full_attention"))
+  cfg = runner.BenchConfig(context_length=512, decode_steps=3, fill="synthetic")
+  with pytest.raises(ValueError, match="sliding-window layers.*--fill=prompt"):
+    runner.resolve_fill(cfg, config)
+  global_only = dataclasses.replace(config, layer_types=("full_attention",) * 2)
+  assert runner.resolve_fill(cfg, global_only) == "synthetic"

@@ -148,7 +148,10 @@ def new_tokens(cfg: BenchConfig) -> int:
 def resolve_fill(cfg: BenchConfig, model_config) -> str:
   """"prompt" or "synthetic" (``cfg.fill`` "auto": a prompt where it fits the model's context).
 
-  Raises ValueError for a prompt that does not fit.
+  Raises ValueError for a prompt that does not fit, and for a synthetic fill
+  of a model with sliding-window layers: ``synthetic_cache`` lays every layer
+  out at its budget, where generate keeps a local layer's window as a ring, so
+  its memory and step time would not be the model's.
   """
   context = model_config.max_position_embeddings
   fits = cfg.context_length + new_tokens(cfg) <= context
@@ -156,6 +159,10 @@ def resolve_fill(cfg: BenchConfig, model_config) -> str:
   if fill == "prompt" and not fits:
     raise ValueError(f"a {cfg.context_length}-token prompt + {new_tokens(cfg)} new tokens "
                      f"exceeds the model's context of {context}; use --fill=synthetic")
+  if fill == "synthetic" and any(model_config.layer_windows):
+    raise ValueError(f"{model_config.name} has sliding-window layers, whose cache is a ring "
+                     "that the synthetic fill does not build; use --fill=prompt (context "
+                     f"lengths up to {context - new_tokens(cfg)})")
   return fill
 
 
