@@ -107,8 +107,8 @@ def score(params, scores, recorded, tokens, lengths, *, graphdef, policy, backen
   pass over the prompt, the same at every budget).
 
   Args:
-    scores: [L, B, K, T] float32 to fill (donated); sliding-window layers keep
-      their window and get zeros.
+    scores: [L, B, K, T] float32 zeros to fill (donated); sliding-window
+      layers keep their window and stay zero.
 
   Returns:
     the filled scores.
@@ -122,8 +122,7 @@ def score(params, scores, recorded, tokens, lengths, *, graphdef, policy, backen
       q, k, v = (x[layer] for x in recorded)
       return policy.score(prompt, q, k, v).astype(scores.dtype)
 
-    return jnp.zeros_like(scores).at[global_layers].set(
-        jax.lax.map(layer_scores, global_layers))
+    return scores.at[global_layers].set(jax.lax.map(layer_scores, global_layers))
 
 
 def store(params, cache, recorded, tokens, lengths, scores=None, *, graphdef, policy, budget,
