@@ -146,7 +146,7 @@ def policy_for(name: str, config, folder: str | pathlib.Path, delimiter_ids=(5, 
   from kvjax import policies  # pylint: disable=g-import-not-at-top
   if name == "duo":
     from kvjax.retrieval_heads import save_gates  # pylint: disable=g-import-not-at-top
-    shape = (sum(not w for w in config.layer_windows), config.num_kv_heads)
+    shape = (len(config.global_layers), config.num_kv_heads)
     gates = np.linspace(1.0, 0.0, np.prod(shape), dtype=np.float32).reshape(shape)
     path = pathlib.Path(folder) / "gates"
     save_gates(path, gates, model=config.name, n_sink=4, recent=60, steps=1, losses=[0.0])

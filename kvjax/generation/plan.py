@@ -132,7 +132,7 @@ def _layout(policy: policies_lib.Policy, cfg, batch: Batch, options: Options,
   sizes = dict(budget=budget, prompt_len=batch.prompt_len, extra_tokens=batch.question_len,
                max_new_tokens=options.max_new_tokens, page_size=options.page_size)
   windows = cfg.layer_windows
-  global_layers = [l for l, w in enumerate(windows) if not w]
+  global_layers = cfg.global_layers
   if not global_layers:
     raise ValueError(f"{cfg.name} has no global layer: a policy's budget has nothing to size")
   budgets = policy.layer_budgets(budget, batch.prompt_len, len(global_layers))

@@ -113,8 +113,7 @@ def score(params, scores, recorded, tokens, lengths, *, graphdef, policy, backen
   Returns:
     the filled scores.
   """
-  windows = nnx.merge(graphdef, params).config.layer_windows
-  global_layers = jnp.asarray([layer for layer, w in enumerate(windows) if not w])
+  global_layers = jnp.asarray(nnx.merge(graphdef, params).config.global_layers)
   with backend_lib.use(backend):
     prompt = attention_lib.Prompt(tokens, _positions(tokens), lengths)
 

@@ -195,6 +195,12 @@ class LlamaConfig:
     return (0,) * self.num_layers
 
   @property
+  def global_layers(self) -> tuple[int, ...]:
+    """The layers without a sliding window: those a policy's budget sizes (and
+    Duo's gates cover); a local layer's cache is a ring of its window."""
+    return tuple(layer for layer, w in enumerate(self.layer_windows) if not w)
+
+  @property
   def group_size(self) -> int:
     """G: query heads per KV head."""
     return self.num_heads // self.num_kv_heads

@@ -126,7 +126,7 @@ def train_and_save(cfg: TrainConfig, out: str | pathlib.Path,
                                   recent=cfg.recent, steps=cfg.steps, losses=losses,
                                   settings=settings)
   write_losses(out / "losses.jsonl", rows)
-  layers = train.gated_layers(lm.config.layer_windows)
+  layers = lm.config.global_layers
   plot(out / "loss_curve.png", rows, gates,
        f"{cfg.model}: {cfg.steps} steps of {cfg.batch_size} x {cfg.length} tokens", layers)
   text = (f"gates of {cfg.model} (rows: layers, columns: KV heads; 1 = retrieval head):\n"

@@ -9,10 +9,11 @@ where streaming attention sees only the first ``n_sink`` keys and the
 ``recent`` most recent ones. The model's weights are frozen; only the gates
 [L, K] (initialised to 1; a sliding-window model's global layers only) are
 trained, with Adam, to keep the final hidden states at the answer positions
-of passkey prompts (``kvjax.retrieval_heads.data``) where full attention puts them, while an L1 term pulls every gate towards 0
-(streaming). A head whose gate stays high is a retrieval head: streaming
-attention there changes what the model says. A head whose gate falls to 0
-loses nothing by keeping only sinks and recent tokens.
+of passkey prompts (``kvjax.retrieval_heads.data``) where full attention
+puts them, while an L1 term pulls every gate towards 0 (streaming). A head
+whose gate stays high is a retrieval head: streaming attention there changes
+what the model says. A head whose gate falls to 0 loses nothing by keeping
+only sinks and recent tokens.
 
 Dimension letters: B batch, T tokens, N query heads, K KV heads, G = N / K
 query heads per KV head, H head dim, D model width, L layers.
@@ -114,17 +115,11 @@ def answer_mask(answer: jax.Array, t: int) -> jax.Array:
   return (jnp.arange(t)[None, :] >= t - answer[:, None]).astype(jnp.float32)
 
 
-def gated_layers(windows) -> list[int]:
-  """The layers that get a gate: the global ones (a sliding-window layer, 0 < W,
-  keeps its window as a ring whatever its gate would say)."""
-  return [layer for layer, w in enumerate(windows) if not w]
-
-
 def gate_loss(gates, hidden_full, graphdef, params, tokens, answer, *, n_sink, recent, l1):
   """The paper's loss: (mixed - full)^2 on the answer positions, + l1 * mean(|gates|).
 
   Args:
-    gates: [L', K], one row per global layer (``gated_layers``); the model's
+    gates: [L', K], one row per global layer (``config.global_layers``); the model's
       sliding-window layers attend as they do in the model.
     hidden_full: [B, T, D] full attention's final hidden states;
     tokens: [B, T] int32; answer: [B] int32 (``answer_mask``).
@@ -244,7 +239,7 @@ def train_gates(lm, *, steps: int = STEPS, learning_rate: float = LEARNING_RATE,
     data = data_lib.batches(lm.tokenizer, length=length, batch_size=batch_size,
                             vocab_size=config.vocab_size)
   optimizer = optax.adam(learning_rate)
-  gates = jnp.ones((len(gated_layers(config.layer_windows)), config.num_kv_heads), jnp.float32)
+  gates = jnp.ones((len(config.global_layers), config.num_kv_heads), jnp.float32)
   opt_state = optimizer.init(gates)
   update = make_update(lm.graphdef, optimizer, n_sink=int(n_sink), recent=int(recent),
                        l1=float(l1))
