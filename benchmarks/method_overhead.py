@@ -54,14 +54,15 @@ def main(_):
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.standard_normal((1, t, cfg.num_heads, cfg.head_dim)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((1, t, cfg.num_kv_heads, cfg.head_dim)), jnp.float32)
+    ex = kvjax.execution.create("xla")
     for name in ("sablock", "dynsplit_kv"):
       policy = kvjax.policies.get(name).bind(lm.tokenizer)
-      scores, density = policy.scorer.prefix_scores(q, k, prompt.lengths)
+      scores, density = policy.scorer.prefix_scores(ex, q, k, prompt.lengths)
       if name == "sablock":
-        stage = jax.jit(lambda s, d: policy.plan(s, prompt, FLAGS.budget, FLAGS.budget).keep)
+        stage = jax.jit(lambda s, d: policy.plan(ex, s, prompt, FLAGS.budget, FLAGS.budget).keep)
       else:
         stage = jax.jit(lambda s, d: policy.plan_from_scores(
-            s, d, prompt, FLAGS.budget, FLAGS.budget).keep)
+            ex, s, d, prompt, FLAGS.budget, FLAGS.budget).keep)
       seconds = _best(lambda: stage(scores, density), FLAGS.repeats)
       total = seconds * cfg.num_layers
       print(f"{t:>7} {prefill:>10.2f} {name:>12} {1e3 * seconds:>15.2f} {1e3 * total:>12.1f} "

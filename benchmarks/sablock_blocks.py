@@ -18,7 +18,7 @@ import numpy as np
 import kvjax
 from kvjax.cache.attention import Prompt
 from kvjax.generation import inputs
-from kvjax.generation import plan as plan_lib
+from kvjax.generation import calls
 from kvjax.generation.compile import Clock
 
 flags.DEFINE_integer("length", 4096, "Prompt length in tokens.")
@@ -34,7 +34,7 @@ def _recorded(lm, ids):
                            attention_block=512, prefill_chunk=0, stop_ids=(), temperature=0.0,
                            top_k=0, seed=0)
   batch = inputs.batch(lm, [ids], None, query_aware=True, chat_template=False, options=options)
-  return plan_lib.record(lm, batch, options, Clock()).qkv
+  return calls.record(lm, batch, options, Clock()).qkv
 
 
 def main(_):
@@ -42,8 +42,9 @@ def main(_):
   lm = kvjax.load("smollm2-135m-instruct")
   policy = kvjax.policies.get("sablock").bind(lm.tokenizer)
   budgets = [int(b) for b in FLAGS.budgets]
+  ex = kvjax.execution.create("xla")
   plans = {b: jax.jit(lambda q, k, v, prompt, b=b: policy.plan(
-      policy.score(prompt, q, k, v), prompt, b, b).single) for b in budgets}
+      ex, policy.score(ex, prompt, q, k, v), prompt, b, b).single) for b in budgets}
   shares = {b: [] for b in budgets}
   for haystack in FLAGS.haystacks:
     for depth in (float(d) for d in FLAGS.depths):

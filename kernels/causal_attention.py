@@ -92,15 +92,16 @@ XLA = "xla"
 TPU_FLASH_BLOCKS = (512, 256, 128)
 
 
-def fused_form(q: jax.Array) -> str:
+def fused_form(q: jax.Array, target: str | None = None) -> str:
   """Which implementation ``causal_attention_fused`` traces for queries like ``q``.
 
   cuDNN's flash attention on an NVIDIA GPU for bfloat16 / float16 with a head
   dim that is a multiple of 8 up to 128; JAX's Pallas flash kernel on TPU (or
   when ``pltpu.force_tpu_interpret_mode()`` is active); otherwise XLA over
-  blocks of queries.
+  blocks of queries. ``target``: the platform built for (None: the default
+  device's).
   """
-  if platform.target() == "tpu" or platform.tpu_interpret_forced():
+  if platform.resolve_target(target) == "tpu" or platform.tpu_interpret_forced():
     return TPU_FLASH
   h = q.shape[-1]
   if (_on_cuda() and jnp.dtype(q.dtype) in (jnp.bfloat16, jnp.float16)
@@ -118,7 +119,8 @@ def _on_cuda() -> bool:
 
 
 def causal_attention_fused(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, block: int = PREFILL_BLOCK
+    q: jax.Array, k: jax.Array, v: jax.Array, *, block: int = PREFILL_BLOCK,
+    target: str | None = None
 ) -> jax.Array:
   """Causal GQA attention over a right-padded prompt in one fused attention per layer.
 
@@ -141,11 +143,12 @@ def causal_attention_fused(
       sits after each sequence's tokens: the causal mask alone keeps valid
       queries clean (a padded row may see padded keys; nothing reads it).
     block: query rows per step of the XLA form (the kernels have their own tiles).
+    target: the platform built for (None: the default device's).
 
   Returns:
     [B, T, N, H] in q's dtype.
   """
-  form = fused_form(q)
+  form = fused_form(q, target)
   if form == CUDNN:
     try:
       return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")

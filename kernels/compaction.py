@@ -365,9 +365,10 @@ def _call_gather(pools, sources, page_table, keep, plan, *, fills, interpret):
   return [o.reshape(x.shape) for o, x in zip(outs, pools)]
 
 
-@functools.partial(jax.jit, static_argnames=("fills", "interpret"), donate_argnames=("pools",))
+@functools.partial(jax.jit, static_argnames=("fills", "interpret", "target"),
+                   donate_argnames=("pools",))
 def compact_slots(pools, page_table, lengths, new_lengths, keep, start, *, fills, sources=None,
-                  interpret=False):
+                  interpret=False, target: str | None = None):
   """Evicts in place (Pallas); same contract as the reference (see the module docstring).
 
   Args:
@@ -381,6 +382,8 @@ def compact_slots(pools, page_table, lengths, new_lengths, keep, start, *, fills
       array per pool (entries are rows of the row's source).
     interpret: run in Pallas' interpreter; a ``pltpu.InterpretParams`` (or
       ``force_tpu_interpret_mode``) selects the TPU form.
+    target: the platform whose compiled form to lower to ("gpu", "tpu"; None:
+      the default device's); the interpreter runs either form on a CPU.
 
   Returns:
     (pools, page_table [R, P_max] without the freed pages, freed [R, P_max]
@@ -393,7 +396,7 @@ def compact_slots(pools, page_table, lengths, new_lengths, keep, start, *, fills
   if sources is not None:
     sources = tuple(x.astype(pool.dtype) for x, pool in zip(sources, pools))
   plan = _plan(lengths, new_lengths, start, keep.shape[1], page_size, p_max)
-  form = platform.lowering(interpret)
+  form = platform.lowering(interpret, target)
   if form == platform.GPU and not interpret:
     for x in pools:
       if any(d & (d - 1) for d in x.shape[1:]):

@@ -35,23 +35,11 @@ forms share (``attend_block``, ``finish``) live in
 On CPU the kernel runs in interpret mode: the generic interpreter runs the
 split kernel, TPU interpret mode runs the pipelined one.
 
-JAX's own TPU ops choose their blocks differently (the tests run the
-pipelined form and them on the same inputs in TPU interpret mode):
-  jax.experimental.pallas.ops.tpu.paged_attention  pages_per_compute_block is
-      the caller's (it must divide the pages per sequence); grid (cores, B, K)
-      with the sequence axis walked inside one kernel instance that
-      double-buffers the next block's pages by manual DMA; page ids and
-      lengths are per sequence (all KV heads share them); megacore may split
-      batch or KV heads.
-  ...ops.tpu.ragged_paged_attention  (pages per block, queries per block)
-      from a table tuned per TPU generation, keyed by dtypes, heads per
-      block, head dim, page size, token count and model length; (128, 32) by
-      default, (32, 32) on v4, at most the pages per sequence; KV heads per
-      block the fewest that tile (8 rows x dtype packing of the interleaved
-      K/V heads); pages double-buffered by manual DMA.
-  Here: about 128 slots per block (8 pages of 16, a lane row of a vreg), one
-  KV head per program, pages per (sequence, KV head), the pipeline's own
-  BlockSpec DMAs (one per page) instead of manual copies.
+A block is about 128 slots (8 pages of 16, a lane row of a vreg) and a program
+one KV head: pages belong to a (sequence, KV head), not to a sequence as in
+JAX's own TPU paged-attention op, so each page is its own BlockSpec, DMAed by
+the pipeline rather than by manual copies. (The tests compare the pipelined
+form with that op in TPU interpret mode.)
 """
 
 from __future__ import annotations
@@ -194,7 +182,7 @@ def paged_attention_pipelined_kernel(
 # ------------------------------------------------------------------ TPU / GPU switch
 
 
-def _page_fetch(interpret) -> str:
+def _page_fetch(interpret, target=None) -> str:
   """"pipelined" for Mosaic, "split" for Triton (the platform is chosen in ``platform``).
 
   Mosaic wants scalar-prefetched tables driving BlockSpec index maps (its
@@ -204,7 +192,7 @@ def _page_fetch(interpret) -> str:
   interpreter runs the split form; TPU interpret mode (an ``InterpretParams``
   or ``force_tpu_interpret_mode``) the pipelined one.
   """
-  return "pipelined" if platform.lowering(interpret) == platform.TPU else "split"
+  return "pipelined" if platform.lowering(interpret, target) == platform.TPU else "split"
 
 
 def _call_pipelined(q, k_pages, v_pages, table, lengths, *, ppb, return_weights, interpret,
@@ -329,7 +317,8 @@ def _weights_from_blocks(w, w_max, lse, lengths, num_slots):
   return jnp.where(valid[:, :, None, :], w, 0.0).reshape(b, kh * g, num_slots)
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes", "return_weights", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_sizes", "return_weights", "interpret",
+                                             "target"))
 def paged_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -340,6 +329,7 @@ def paged_attention(
     block_sizes: PagedAttentionBlockSizes | None = None,
     return_weights: bool = False,
     interpret=False,
+    target: str | None = None,
 ):
   """Paged decode attention as a Pallas kernel (same contract as the reference).
 
@@ -354,6 +344,8 @@ def paged_attention(
     return_weights: also return the weights and the log-sum-exp.
     interpret: run the kernel body in Pallas' interpreter (CPU); a
       ``pltpu.InterpretParams`` selects TPU interpret mode.
+    target: the platform whose compiled form to lower to ("gpu", "tpu"; None:
+      the default device's); the interpreter runs either form on a CPU.
 
   Returns:
     out [B, N, H] in q's dtype; with ``return_weights`` also weights [B, N, S]
@@ -368,7 +360,7 @@ def paged_attention(
   _validate(q, k_pages, v_pages, page_table, lengths, block_sizes)
   return _paged_attention(q, k_pages, v_pages, page_table, lengths, block_sizes=block_sizes,
                           return_weights=return_weights, interpret=interpret,
-                          fetch=_page_fetch(interpret))
+                          fetch=_page_fetch(interpret, target))
 
 
 def _paged_attention(q, k_pages, v_pages, page_table, lengths, *, block_sizes, return_weights,

@@ -74,29 +74,33 @@ def scoped(var: contextvars.ContextVar, value):
     var.reset(token)
 
 
-def target() -> str:
-  """The platform programs are built for: the default device's, unless ``targeting`` says."""
-  return _TARGET.get() or jax.default_backend()
+def ambient_target() -> str | None:
+  """The platform ``targeting`` names, None outside it.
+
+  Read only where an ``Execution`` is built (``kvjax.execution.create``):
+  kernels take their target as an argument.
+  """
+  return _TARGET.get()
+
+
+def resolve_target(target: str | None) -> str:
+  """``target``, or the default device's platform for None."""
+  return target or jax.default_backend()
 
 
 @contextlib.contextmanager
 def targeting(name: str):
-  """Builds programs for platform ``name`` ("cpu", "gpu" or "tpu") inside the block.
+  """Builds executions for platform ``name`` ("cpu", "gpu" or "tpu") inside the block.
 
-  For lowering a program for a chip this machine lacks
-  (``jax.jit(f).trace(...).lower(lowering_platforms=...)``): kernels take
-  that chip's compiled form instead of the interpreter, and ``"auto"``
-  resolves as it would there.
+  Sugar for lowering a program for a chip this machine lacks: an execution
+  created inside (``kvjax.execution.create``) takes that chip's compiled
+  kernels and resolves ``"auto"`` as it would there. Programs and kernels
+  read their target from their arguments, never from here.
   """
   if name not in PLATFORMS:
     raise ValueError(f"platform must be one of {PLATFORMS}, got {name!r}")
   with scoped(_TARGET, name):
     yield
-
-
-def interpret_here() -> bool:
-  """Whether Pallas kernels must run in the interpreter: built for a CPU, nothing compiles them."""
-  return target() == "cpu"
 
 
 def tpu():
@@ -118,11 +122,12 @@ def tpu_interpret_forced() -> bool:
   return flag is not None and flag.value is not None
 
 
-def lowering(interpret) -> str:
-  """TPU (Mosaic) or GPU (Triton) form for a kernel called with this ``interpret``."""
+def lowering(interpret, target: str | None = None) -> str:
+  """TPU (Mosaic) or GPU (Triton) form of a kernel called with this ``interpret``,
+  built for ``target`` (None: the default device's platform)."""
   if isinstance(interpret, tpu().InterpretParams) or tpu_interpret_forced():
     return TPU
-  return TPU if target() == "tpu" else GPU
+  return TPU if resolve_target(target) == "tpu" else GPU
 
 
 def compiler_params(form: str, num_dims: int, *, sequential_last: bool = False):

@@ -438,17 +438,18 @@ def _call(kernel, form, args, out_shapes, interpret):
   )(lengths, *rows)
 
 
-@functools.partial(jax.jit, static_argnames=("max_segment", "min_segment", "interpret"))
+@functools.partial(jax.jit, static_argnames=("max_segment", "min_segment", "interpret", "target"))
 def segment_ids(cut_after: jax.Array, lengths: jax.Array, *, max_segment: int, min_segment: int,
-                interpret: bool = False) -> jax.Array:
+                interpret: bool = False, target: str | None = None) -> jax.Array:
   """Pallas kernel of ``segment_ids_reference`` (same arguments and result).
 
   interpret: run in Pallas' interpreter (the GPU form); a ``pltpu.InterpretParams``
     (or ``pltpu.force_tpu_interpret_mode()``) runs the TPU form.
+  target: the platform whose compiled form to lower to (None: the default device's).
   """
   _check_segment_args(cut_after, lengths, max_segment, min_segment)
   b, t = cut_after.shape
-  form = platform.lowering(interpret)
+  form = platform.lowering(interpret, target)
   lengths, cut = lengths.astype(jnp.int32), cut_after.astype(jnp.int32)
   opts = dict(max_segment=max_segment, min_segment=min_segment)
   if form == platform.TPU:
@@ -462,18 +463,19 @@ def segment_ids(cut_after: jax.Array, lengths: jax.Array, *, max_segment: int, m
   return seg[:, :t]
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "delta", "alpha", "interpret"))
+@functools.partial(jax.jit, static_argnames=("chunk", "delta", "alpha", "interpret", "target"))
 def dynamic_split(density: jax.Array, candidate: jax.Array, lengths: jax.Array, *, chunk: int,
-                  delta: int, alpha: float, interpret: bool = False):
+                  delta: int, alpha: float, interpret: bool = False,
+                  target: str | None = None):
   """Pallas kernel of ``dynamic_split_reference`` (same arguments and result).
 
   The prefix sums are an XLA cumsum in the wrapper; the kernel does the walk.
-  interpret: as for ``segment_ids``.
+  interpret, target: as for ``segment_ids``.
   """
   _check_split_args(density, candidate, lengths, chunk, delta, alpha)
   b, t = density.shape
   nb = max_blocks(t, chunk, delta)
-  form = platform.lowering(interpret)
+  form = platform.lowering(interpret, target)
   lengths, cand = lengths.astype(jnp.int32), candidate.astype(jnp.int32)
   prefix = jnp.pad(jnp.cumsum(density.astype(jnp.float32), axis=1), ((0, 0), (1, 0)))
   opts = dict(num_tokens=t, num_blocks=nb, chunk=chunk, delta=delta, alpha=float(alpha))

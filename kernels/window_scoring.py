@@ -375,10 +375,11 @@ def _combine_lse(m, l):
 
 
 @functools.partial(jax.jit, static_argnames=("window", "pool", "group", "return_norms",
-                                             "block_sizes", "interpret"))
+                                             "block_sizes", "interpret", "target"))
 def window_scores(q, k, lengths, *, window: int, pool: int = 1, group: str = "mean", v=None,
                   return_norms: bool = False,
-                  block_sizes: WindowScoringBlockSizes | None = None, interpret=False):
+                  block_sizes: WindowScoringBlockSizes | None = None, interpret=False,
+                  target: str | None = None):
   """Observation-window scoring as Pallas kernels (same contract as the reference).
 
   Args:
@@ -387,12 +388,14 @@ def window_scores(q, k, lengths, *, window: int, pool: int = 1, group: str = "me
     block_sizes: keys per compute block (default: see ``get_default``).
     interpret: run the kernel bodies in Pallas' interpreter (CPU); a
       ``pltpu.InterpretParams`` selects TPU interpret mode.
+    target: the platform whose compiled form to lower to ("gpu", "tpu"; None:
+      the default device's); the interpreter runs either form on a CPU.
   """
   _validate(q, k, lengths, v, window, pool, group, block_sizes)
   b, t, n, h = q.shape
   kh = k.shape[2]
   g = n // kh
-  form = platform.lowering(interpret)
+  form = platform.lowering(interpret, target)
   if block_sizes is None:
     block_sizes = WindowScoringBlockSizes.get_default(t, form)
   c = block_sizes.block_keys
@@ -444,12 +447,13 @@ def window_scores(q, k, lengths, *, window: int, pool: int = 1, group: str = "me
   return scores, kn[..., :t], None if vn is None else vn[..., :t]
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
-def token_norms(x, *, block_sizes: WindowScoringBlockSizes | None = None, interpret=False):
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "target"))
+def token_norms(x, *, block_sizes: WindowScoringBlockSizes | None = None, interpret=False,
+                target: str | None = None):
   """L2 norms [B, K, T] of x [B, T, K, H] (pass 1 without queries); see the reference."""
   _validate(None, x, None, None, 1, 1, "mean", block_sizes)
   b, t, kh, h = x.shape
-  form = platform.lowering(interpret)
+  form = platform.lowering(interpret, target)
   if block_sizes is None:
     block_sizes = WindowScoringBlockSizes.get_default(t, form)
   c = block_sizes.block_keys

@@ -38,14 +38,14 @@ _NAMES = {
     "prefill_attention": "kvjax.cache",
 }
 # Public submodules.
-_MODULES = ("backend", "buffer_memory", "policies", "runtime", "sharding", "tasks")
+_MODULES = ("backend", "buffer_memory", "execution", "policies", "runtime", "sharding", "tasks")
 # Subpackages that ``import kvjax`` once made attributes as a side effect.
 _PACKAGES = ("cache", "generation", "kernels", "models")
 
 __all__ = sorted([*_NAMES, *_MODULES])
 
 if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
-  from kvjax import backend, buffer_memory, policies, runtime, sharding, tasks
+  from kvjax import backend, buffer_memory, execution, policies, runtime, sharding, tasks
   from kvjax.cache import PagedKVCache, causal_attention, decode_attention, prefill_attention
   from kvjax.generation import GenerationResult, GenerationStats, generate, generate_each
   from kvjax.generation import CompressedContext, answer, compress, load_cache, save_cache

@@ -6,11 +6,11 @@ causal attention and the packed weights' products also have a ``"native"``
 one for CPU (C++ through XLA's FFI, ``kvjax.kernels.native``, compiled on
 first use into ``$KVJAX_CACHE_DIR/native``).
 
-One mechanism chooses: the ambient backend. ``use(name)`` sets it while a
-program is traced (generation wraps each program body in it, and keys its
-compiled programs by the name); ``get(op)`` returns ``op``'s implementation
-for it, resolving ``"auto"`` per op (``resolve``). Outside ``use`` it is
-``"xla"``.
+A program's ``kvjax.execution.Execution`` holds, per op, the implementation
+``resolve`` chose for its backend and platform, and hands out each op's
+implementation (``implementation``) while the program is traced.
+``use(name)`` sets an ambient backend for a user's own code
+(``kvjax.execution.ambient``, ``get``); the library's programs never read it.
 
   "auto"    per (platform, op), what a measurement showed fastest: this device
             kind's, written by ``python -m kvjax.bench --preset=accelerator``
@@ -72,39 +72,45 @@ BACKENDS = ("auto", "xla", "pallas", "native")
 NATIVE_ENV = "KVJAX_NATIVE"
 
 
-_interpret = platform_lib.interpret_here
-
-
-def _pallas_paged_attention(q, k_pages, v_pages, page_table, lengths, *, return_weights=False):
+# Pallas implementations take the execution's ``interpret`` and ``target`` (the
+# platform whose compiled form a kernel lowers to).
+def _pallas_paged_attention(q, k_pages, v_pages, page_table, lengths, *, return_weights=False,
+                            interpret, target):
   """The Pallas kernel with the reference's signature (interpreted on CPU)."""
   return paged_attention(q, k_pages, v_pages, page_table, lengths,
-                         return_weights=return_weights, interpret=_interpret())
+                         return_weights=return_weights, interpret=interpret, target=target)
 
 
 def _pallas_window_scores(q, k, lengths, *, window, pool=1, group="mean", v=None,
-                          return_norms=False):
+                          return_norms=False, interpret, target):
   return window_scores(q, k, lengths, window=window, pool=pool, group=group, v=v,
-                       return_norms=return_norms, interpret=_interpret())
+                       return_norms=return_norms, interpret=interpret, target=target)
 
 
-def _pallas_token_norms(x):
-  return token_norms(x, interpret=_interpret())
+def _pallas_token_norms(x, *, interpret, target):
+  return token_norms(x, interpret=interpret, target=target)
 
 
 def _pallas_compact_slots(pools, page_table, lengths, new_lengths, keep, start, *, fills,
-                          sources=None):
+                          sources=None, interpret, target):
   return compact_slots(pools, page_table, lengths, new_lengths, keep, start, fills=fills,
-                       sources=sources, interpret=_interpret())
+                       sources=sources, interpret=interpret, target=target)
 
 
-def _pallas_segment_ids(cut_after, lengths, *, max_segment, min_segment):
+def _pallas_segment_ids(cut_after, lengths, *, max_segment, min_segment, interpret, target):
   return segmentation.segment_ids(cut_after, lengths, max_segment=max_segment,
-                                  min_segment=min_segment, interpret=_interpret())
+                                  min_segment=min_segment, interpret=interpret, target=target)
 
 
-def _pallas_dynamic_split(density, candidate, lengths, *, chunk, delta, alpha):
+def _pallas_dynamic_split(density, candidate, lengths, *, chunk, delta, alpha, interpret,
+                          target):
   return segmentation.dynamic_split(density, candidate, lengths, chunk=chunk, delta=delta,
-                                    alpha=alpha, interpret=_interpret())
+                                    alpha=alpha, interpret=interpret, target=target)
+
+
+def _fused_causal_attention(q, k, v, *, interpret, target, **options):
+  del interpret  # no Pallas body of its own: its forms are the platform's kernels
+  return causal_attention_fused(q, k, v, target=target, **options)
 
 
 # op -> backend -> implementation.
@@ -118,7 +124,7 @@ _OPS: dict[str, dict[str, Callable]] = {
     "dynamic_split": {"xla": segmentation.dynamic_split_checked, "pallas": _pallas_dynamic_split},
     "causal_attention": {"xla": causal_attention_reference,
                          "native": native.causal_attention_cpu,
-                         "fused": causal_attention_fused},
+                         "fused": _fused_causal_attention},
     "quantized_matmul": {"xla": quantized.quantized_matmul_reference,
                          "native": native.quantized_matmul_cpu},
     "dequantize": {"xla": quantized.dequantize_reference, "native": native.dequantize_cpu},
@@ -164,13 +170,14 @@ def _warn_native_unavailable(error: str) -> None:
   warnings.warn(f"kvjax: native CPU kernels unavailable, using XLA: {error}", stacklevel=3)
 
 
-def native_available() -> bool:
-  """Whether backend "native" runs here: a CPU default device and kernels that build.
+def native_available(platform: str | None = None) -> bool:
+  """Whether backend "native" runs for ``platform`` (None: the default device's):
+  a CPU, and kernels that build.
 
   The first call compiles them (seconds) unless a build is cached; a failure
   is warned about once and "auto" then stays on XLA.
   """
-  if platform_lib.target() != "cpu":
+  if platform_lib.resolve_target(platform) != "cpu":
     return False
   error = _native_error()
   if error is not None:
@@ -178,19 +185,23 @@ def native_available() -> bool:
   return error is None
 
 
-def _auto(op: str, platform: str) -> str:
-  """What "auto" runs for ``op`` here: the table's choice where it can run, else XLA."""
-  choice = backend_choices.auto_choice(platform, op).backend
+def _auto(op: str, platform: str, choices) -> str:
+  """What "auto" runs for ``op`` on ``platform``: the table's choice where it can run, else XLA."""
+  choice = backend_choices.auto_choice(platform, op, choices).backend
   if choice not in _OPS[op]:
     return "xla"
   if choice == "native":
     wanted = os.environ.get(NATIVE_ENV, "1") != "0"
-    return "native" if wanted and native_available() else "xla"
+    return "native" if wanted and native_available(platform) else "xla"
   return choice
 
 
-def resolve(backend: str, op: str = "paged_attention") -> str:
-  """The concrete backend ("xla", "pallas" or "native") that runs ``op`` under ``backend``.
+def resolve(backend: str, op: str = "paged_attention", *, platform: str | None = None,
+            choices=None) -> str:
+  """The concrete implementation ("xla", "pallas", "native", ...) that runs ``op`` under
+  ``backend`` for ``platform`` (None: the default device's).
+
+  ``choices``: a measured-choices file for "auto" (``kvjax.backend_choices``).
 
   Raises:
     ValueError: an unknown backend or op, or "native" off the CPU.
@@ -201,12 +212,12 @@ def resolve(backend: str, op: str = "paged_attention") -> str:
   if op not in _OPS:
     raise ValueError(f"unknown kernel op {op!r}; known ops: {ops()}")
   impls = _OPS[op]
-  platform = platform_lib.target()
+  platform = platform_lib.resolve_target(platform)
   if backend == "auto":
-    return _auto(op, platform)
+    return _auto(op, platform, choices)
   if backend == "native":
     if platform != "cpu":
-      raise ValueError(f"backend 'native' runs on CPU only; the default device is {platform}")
+      raise ValueError(f"backend 'native' runs on CPU only; the platform is {platform}")
     if "native" not in impls:
       return "xla"
     error = _native_error()
@@ -216,9 +227,29 @@ def resolve(backend: str, op: str = "paged_attention") -> str:
   return backend if backend in impls else "xla"
 
 
+# Implementations that take the execution's ``interpret`` and ``target``.
+_TAKE_TARGET = ("pallas", "fused")
+
+
+def implementation(op: str, name: str, *, platform: str, interpret: bool) -> Callable:
+  """``op``'s implementation ``name`` (a ``resolve`` result), built for ``platform``.
+
+  Pallas kernels get ``interpret`` (their body in Pallas' interpreter, on a
+  CPU) and ``target``; the others take neither.
+  """
+  fn = _OPS[op][name]
+  if name in _TAKE_TARGET:
+    return functools.partial(fn, interpret=interpret, target=platform)
+  return fn
+
+
 def get(op: str, backend: str | None = None) -> Callable:
-  """The implementation of ``op`` for a backend (default: the ambient ``current()``)."""
-  return _OPS[op][resolve(current() if backend is None else backend, op)]
+  """The implementation of ``op`` for a backend (default: the ambient ``current()``),
+  for the default device. For users' own code; the library's programs take
+  theirs from their ``kvjax.execution.Execution``."""
+  name = resolve(current() if backend is None else backend, op)
+  platform = platform_lib.resolve_target(None)
+  return implementation(op, name, platform=platform, interpret=platform == "cpu")
 
 
 _CURRENT = contextvars.ContextVar("kvjax_backend", default="xla")
@@ -231,10 +262,11 @@ def current() -> str:
 
 @contextlib.contextmanager
 def use(backend: str):
-  """Makes ``backend`` the ambient one inside the block (while tracing, for jitted code).
+  """Makes ``backend`` the ambient one inside the block: sugar for a user's own code.
 
-  The choice is read when a function is traced, so a jitted program must have
-  the backend among its static arguments (generation keys programs by it).
+  Read by ``get`` and ``kvjax.execution.ambient`` (what the cache's entry
+  points use when called without an ``ex``); generate's programs take their
+  execution as an argument and never read it.
   """
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

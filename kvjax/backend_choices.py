@@ -5,16 +5,21 @@ over, so it picks only what a measurement on that platform showed faster; a
 pair without one runs XLA (the references, compiled by XLA for every
 platform). ``auto_choice`` looks, in order, at:
 
-  1. the measured choices of this machine's device kind:
-     ``$KVJAX_CACHE_DIR/auto/<device kind>.json`` (``measured_path``), which
-     ``python -m kvjax.bench --preset=accelerator`` writes on a GPU or TPU.
-     Read once per process; a missing file is skipped silently, an unreadable
-     or malformed one with one warning. Consulted only for the platform of
-     this machine's default device: a program built for another one
-     (``kvjax.kernels.platform.targeting``) is not for this device kind;
+  1. a measured-choices file, only where one is named: the ``choices``
+     argument (``kvjax.execution.create(..., choices=path)``), else
+     ``$KVJAX_AUTO_CHOICES`` (``CHOICES_ENV``). ``python -m kvjax.bench
+     --preset=accelerator`` writes one, ``auto_choices.json`` in its output
+     folder. It decides only for the platform it was measured on (a program
+     built for another one, ``kvjax.kernels.platform.targeting``, gets the
+     table); the first call it decides logs the file on the ``"kvjax"``
+     logger, once per file. A named file that cannot be read, or is not a
+     measured-choices file, raises: naming it asked for it;
   2. ``AUTO_CHOICES`` below, the committed measurements (the preset prints an
      entry to paste here for each op it measured);
   3. XLA (``NOT_MEASURED``).
+
+Nothing else is consulted (no file in the cache folder): without a named
+file, two machines of one kind run the same kernels for the same call.
 
 Each table entry names the figures and where they come from; a new
 measurement changes the entry and its reason together.
@@ -30,14 +35,16 @@ import dataclasses
 import datetime
 import functools
 import json
+import logging
 import math
+import os
 import pathlib
-import re
-import warnings
 
 import jax
 
-from kvjax import paths
+CHOICES_ENV = "KVJAX_AUTO_CHOICES"
+
+_LOG = logging.getLogger("kvjax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,19 +93,44 @@ AUTO_CHOICES: dict[tuple[str, str], Choice] = {
 }
 
 
-def auto_choice(platform: str, op: str) -> Choice:
-  """What ``"auto"`` runs for ``op`` on ``platform``: this device kind's measured
-  choice, else the table's, else XLA (the module docstring)."""
-  if platform == jax.default_backend():
-    measured = _measured_here(platform)
-    if op in measured:
-      return measured[op]
+def auto_choice(platform: str, op: str, choices=None) -> Choice:
+  """What ``"auto"`` runs for ``op`` on ``platform``: the named measured-choices file's
+  choice (``choices``, else ``$KVJAX_AUTO_CHOICES``), else the table's, else XLA.
+
+  Raises:
+    OSError: the named file cannot be read.
+    ValueError: the named file is not a measured-choices file (says what is wrong).
+  """
+  path = named_file(choices)
+  if path is not None:
+    measured = _read(path)
+    if measured.platform == platform and op in measured.ops:
+      _log_once(measured)
+      return measured.ops[op]
   return AUTO_CHOICES.get((platform, op), NOT_MEASURED)
+
+
+def named_file(choices=None) -> pathlib.Path | None:
+  """The measured-choices file that ``choices`` or else ``$KVJAX_AUTO_CHOICES`` names
+  (None where neither names one)."""
+  named = choices if choices is not None else os.environ.get(CHOICES_ENV)
+  # An empty variable names no file: `KVJAX_AUTO_CHOICES= cmd` turns it off.
+  return pathlib.Path(named).expanduser().resolve() if named else None
 
 
 # ------------------------------------------------------------------ measured choices
 
 FORMAT = 1  # the measured-choices file's layout (``write_measured``)
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+  """A measured-choices file, read: where it is, what it was measured on, its choices."""
+
+  path: pathlib.Path
+  device_kind: str
+  platform: str
+  ops: dict[str, Choice]
 
 
 def eligible(platform: str, implementation: str) -> bool:
@@ -107,16 +139,6 @@ def eligible(platform: str, implementation: str) -> bool:
   if implementation == "pallas":
     return platform != "cpu"
   return implementation != "native" or platform == "cpu"
-
-
-def device_slug(device_kind: str) -> str:
-  """A file name for a ``device_kind``: "NVIDIA H200" -> "nvidia-h200"."""
-  return re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-") or "unknown"
-
-
-def measured_path(device_kind: str) -> pathlib.Path:
-  """Where the measured choices of a device kind live: ``<cache>/auto/<slug>.json``."""
-  return paths.cache_dir() / "auto" / f"{device_slug(device_kind)}.json"
 
 
 def measured_entry(timings: list[dict], *, platform: str, command: str) -> dict | None:
@@ -146,23 +168,15 @@ def measured_entry(timings: list[dict], *, platform: str, command: str) -> dict 
 
 
 def write_measured(path: str | pathlib.Path, device_kind: str, platform: str,
-                   entries: dict[str, dict], *, merge: bool = True) -> pathlib.Path:
+                   entries: dict[str, dict]) -> pathlib.Path:
   """Writes op -> ``measured_entry`` for a device kind as JSON; returns the path.
 
-  With ``merge``, ops in an existing valid file that ``entries`` lacks are
-  kept. The file is replaced whole (written beside it, then renamed), so a
-  reader never sees half of it.
+  The file is replaced whole (written beside it, then renamed), so a reader
+  never sees half of it.
   """
   path = pathlib.Path(path)
-  ops = {}
-  if merge and path.exists():
-    try:
-      ops = _parse(path.read_text(), device_kind, platform)
-    except (OSError, ValueError):
-      ops = {}
-  ops.update(entries)
   doc = {"format": FORMAT, "device_kind": device_kind, "platform": platform,
-         "ops": dict(sorted(ops.items()))}
+         "ops": dict(sorted(entries.items()))}
   path.parent.mkdir(parents=True, exist_ok=True)
   partial = path.with_name(path.name + ".partial")
   partial.write_text(json.dumps(doc, indent=1) + "\n")
@@ -180,52 +194,61 @@ def why_measured(device_kind: str, entry: dict) -> str:
           f"`{entry['command']}`: {times}")
 
 
-def _parse(text: str, device_kind: str, platform: str) -> dict[str, dict]:
-  """The ops of a measured-choices file, checked; ValueError says what is wrong."""
+def _parse(text: str) -> tuple[str, str, dict[str, dict]]:
+  """(device kind, platform, ops) of a measured-choices file, checked; ValueError says
+  what is wrong."""
   doc = json.loads(text)  # json.JSONDecodeError is a ValueError
   if not isinstance(doc, dict) or doc.get("format") != FORMAT:
     raise ValueError(f"not a format-{FORMAT} measured-choices file")
-  if (doc.get("device_kind"), doc.get("platform")) != (device_kind, platform):
-    raise ValueError(f"measured on {doc.get('device_kind')!r} ({doc.get('platform')}), "
-                     f"not this {device_kind!r} ({platform})")
-  ops = doc.get("ops")
+  kind, platform, ops = doc.get("device_kind"), doc.get("platform"), doc.get("ops")
+  if not (isinstance(kind, str) and isinstance(platform, str)):
+    raise ValueError("no 'device_kind' and 'platform' strings")
   if not isinstance(ops, dict):
     raise ValueError("no 'ops' object")
   for op, entry in ops.items():
     try:
       chosen = entry["backend"]
-      why_measured(device_kind, entry)
+      why_measured(kind, entry)
     except (KeyError, TypeError, AttributeError) as e:
       raise ValueError(f"op {op!r}: malformed entry ({type(e).__name__}: {e})") from None
     if not isinstance(chosen, str) or not eligible(platform, chosen):
       raise ValueError(f"op {op!r}: {chosen!r} cannot run under auto on {platform}")
-  return ops
+  return kind, platform, ops
 
 
 @functools.cache
-def _measured_here(platform: str) -> dict[str, Choice]:
-  """op -> Choice from this device kind's measured-choices file ({} without a usable one)."""
-  kind = jax.devices()[0].device_kind
-  path = measured_path(kind)
+def _read(path: pathlib.Path) -> Measured:
+  """The measured-choices file at ``path``, read once per process (``forget_measured``)."""
+  named = f"the measured auto choices {path} (named by choices= or ${CHOICES_ENV})"
   try:
     text = path.read_text()
-  except (FileNotFoundError, NotADirectoryError):  # none measured, or no cache folder at all
-    return {}
   except OSError as e:
-    warnings.warn(f"kvjax: cannot read the measured auto choices {path} ({e}); using the "
-                  "committed table", stacklevel=4)
-    return {}
+    raise type(e)(f"kvjax: cannot read {named}: {e.strerror or e}") from e
   try:
-    ops = _parse(text, kind, platform)
+    kind, platform, ops = _parse(text)
   except ValueError as e:
-    warnings.warn(f"kvjax: ignoring the measured auto choices {path}: {e}; using the "
-                  "committed table", stacklevel=4)
-    return {}
-  return {op: Choice(e["backend"], f"{why_measured(kind, e)} ({path})")
-          for op, e in ops.items()}
+    raise ValueError(f"kvjax: {named} is unusable: {e}") from None
+  return Measured(path, kind, platform,
+                  {op: Choice(e["backend"], f"{why_measured(kind, e)} ({path})")
+                   for op, e in ops.items()})
+
+
+_LOGGED: set[pathlib.Path] = set()  # files whose first decision was logged
+
+
+def _log_once(measured: Measured) -> None:
+  """Logs, on a file's first decision, which file decides and what it picks."""
+  if measured.path in _LOGGED:
+    return
+  _LOGGED.add(measured.path)
+  picks = ", ".join(f"{op}: {c.backend}" for op, c in measured.ops.items())
+  _LOG.info('"auto" on %s takes the measured choices in %s (measured on %s): %s; other '
+            "ops follow the committed table", measured.platform, measured.path,
+            measured.device_kind, picks)
 
 
 def forget_measured() -> None:
-  """Makes the next ``auto_choice`` read the measured-choices file again (after a
+  """Makes the next ``auto_choice`` read (and log) measured-choices files again (after a
   new measurement; programs already traced keep what they resolved)."""
-  _measured_here.cache_clear()
+  _read.cache_clear()
+  _LOGGED.clear()

@@ -154,3 +154,14 @@ def policy_for(name: str, config, folder: str | pathlib.Path, delimiter_ids=(5, 
   fields = {f.name for f in dataclasses.fields(type(policies.get(name)))}
   return policies.get(name, **({"delimiter_ids": tuple(delimiter_ids)}
                                if "delimiter_ids" in fields else {}))
+
+
+def layout_for(policy, budget, prompt_len: int, *, num_layers: int = 1, num_kv_heads: int = 1,
+               page_size: int | None = None, max_new_tokens: int = 0):
+  """``policy``'s layout for a unit test: every layer global, nothing appended after the
+  prompt unless ``max_new_tokens``; pages of one slot (PagedEviction: its own size)."""
+  if page_size is None:
+    page_size = getattr(policy, "page_size", 1)
+  return policy.layout(budget, prompt_len=prompt_len, extra_tokens=0,
+                       max_new_tokens=max_new_tokens, page_size=page_size,
+                       num_kv_heads=num_kv_heads, windows=(0,) * num_layers)

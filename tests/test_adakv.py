@@ -6,11 +6,20 @@ import numpy as np
 import pytest
 
 import kvjax
+from kvjax import execution
 from kvjax import policies
+from kvjax import testing
 from kvjax.cache.attention import Prompt
 from kvjax.policies import selection
 
 NEG = -np.inf
+EX = execution.Execution()
+
+
+def _keep(policy, prompt, q, k, budget):
+  """bool [B, K, T] what ``policy`` keeps of one layer (pages of one slot, nothing after)."""
+  layout = testing.layout_for(policy, budget, q.shape[1], num_kv_heads=k.shape[2])
+  return np.asarray(policy.select(EX, layout)(0, prompt, q, k, k)[0]) >= 0
 
 
 def _budgets(scores, total, floor):
@@ -100,7 +109,7 @@ class TestPolicy:
       q[0, t - window:, h, h] = 1.0
     policy = policies.get("adakv", inner=policies.get("snapkv", window=window, kernel=1),
                           floor=0.5)
-    keep = np.asarray(policy.keep(policy.score(_prompt(t), q, k, k), _prompt(t), 8, 8))[0]
+    keep = _keep(policy, _prompt(t), q, k, 8)[0]
     tail = list(range(t - window, t))
     kept = [np.nonzero(keep[h])[0].tolist() for h in range(2)]
     assert set(tail) <= set(kept[0]) and set(tail) <= set(kept[1])
@@ -116,9 +125,9 @@ class TestPolicy:
     prompt = _prompt(t, tokens)
     inner = policies.get("sablock", window=4, delimiter_ids=(13,), max_block=4)
     policy = policies.get("adakv", inner=inner, floor=0.25)
-    scores = policy.score(prompt, q, k, k)
+    scores = policy.score(EX, prompt, q, k, k)
     budgets = np.asarray(selection.head_budgets(scores, 2 * 24, policy.head_floor(24), 48))
-    keep = np.asarray(policy.keep(scores, prompt, 24, 24))
+    keep = _keep(policy, prompt, q, k, 24)
     assert budgets.sum() == 48 and (budgets >= 6).all()
     assert keep.sum(-1).tolist() == budgets.tolist()
 
@@ -153,9 +162,10 @@ def test_generate_splits_the_inner_policys_pages(budget):
       row = positions[l, h][positions[l, h] >= 0]
       assert len(set(row.tolist())) == lengths[l, h]
       assert set(range(112, 120)) <= set(row.tolist())  # the window, in every head
-  capacity, pages = policy.cache_layout(2, budget=budget, prompt_len=120, extra_tokens=0,
-                                        max_new_tokens=steps, page_size=ps, num_layers=3)
-  assert capacity == ((2 * head_pages - 1) * ps,) * 3 and pages == 3 * 2 * head_pages
+  layout = policy.layout(budget, prompt_len=120, extra_tokens=0, max_new_tokens=steps,
+                         page_size=ps, num_kv_heads=2, windows=(0,) * 3)
+  assert layout.capacity == ((2 * head_pages - 1) * ps,) * 3
+  assert layout.pages == 3 * 2 * head_pages
 
 
 @pytest.mark.parametrize("shared_split", [False, True])
@@ -195,6 +205,6 @@ def test_rows_record_the_wrapped_policy():
   assert entry.make(0) == policies.get("adakv", inner="sablock", window=8)
   with pytest.raises(ValueError, match="unknown policy 'sablok'"):
     policy_entries.parse("adakv:inner=sablok")
-  assert "page_size" not in values and "grow" not in values  # the cache's, set by generation
-  with pytest.raises(ValueError, match="page_size follow the cache's sizes"):
+  assert "page_size" not in values and "grow" not in values  # the cache's: in its layout
+  with pytest.raises(ValueError, match="page_size"):
     policy_entries.parse("adakv:page_size=16")

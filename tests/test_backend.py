@@ -1,9 +1,10 @@
-"""Tests for kvjax.backend: one ambient switch, "auto" per op from measurements (this device
-kind's file, then the committed table)."""
+"""Tests for kvjax.backend: one ambient switch, "auto" per op from measurements (a
+measured-choices file where one is named, else the committed table)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import pytest
 
 from kvjax import backend as backend_lib
 from kvjax import backend_choices
+from kvjax import execution
 from kvjax import paths
 from kvjax.kernels import native
 from kvjax.kernels import platform as platform_lib
@@ -48,10 +50,11 @@ def test_unmeasured_pairs_run_xla():
 
 @pytest.mark.parametrize("platform", ["gpu", "tpu"])
 def test_auto_on_accelerators_follows_the_table(platform):
-  with platform_lib.targeting(platform):
-    for op in backend_lib.ops():
-      want = backend_choices.auto_choice(platform, op).backend
-      assert backend_lib.resolve("auto", op) == want, op
+  ex = execution.create("auto", platform=platform)
+  for op in backend_lib.ops():
+    want = backend_choices.auto_choice(platform, op).backend
+    assert backend_lib.resolve("auto", op, platform=platform) == want, op
+    assert ex.choice(op) == want, op
   # The H200 measured XLA faster for paged decode attention.
   assert backend_choices.auto_choice("gpu", "paged_attention").backend == "xla"
 
@@ -127,16 +130,13 @@ def test_no_compiler_falls_back_under_auto_and_explains_when_forced(tmp_path):
 
 
 @pytest.fixture
-def measured_dir(tmp_path, monkeypatch):
-  """A fresh cache folder, and the measured choices read again from it."""
-  monkeypatch.setenv(paths.CACHE_ENV, str(tmp_path))
+def unnamed(tmp_path, monkeypatch):
+  """No measured-choices file named, a fresh cache folder, files read again."""
+  monkeypatch.delenv(backend_choices.CHOICES_ENV, raising=False)
+  monkeypatch.setenv(paths.CACHE_ENV, str(tmp_path / "cache"))
   backend_choices.forget_measured()
   yield tmp_path
   backend_choices.forget_measured()
-
-
-def _kind() -> str:
-  return jax.devices()[0].device_kind
 
 
 def _entry(platform="cpu", **seconds) -> dict:
@@ -144,10 +144,16 @@ def _entry(platform="cpu", **seconds) -> dict:
                                         platform=platform, command="a test")
 
 
-def _write(entries, kind=None, platform="cpu"):
-  kind = kind or _kind()
-  return backend_choices.write_measured(backend_choices.measured_path(kind), kind, platform,
-                                        entries)
+def _write(path, entries, kind="a chip", platform="cpu"):
+  return backend_choices.write_measured(path, kind, platform, entries)
+
+
+def _table(platform: str, op: str) -> backend_choices.Choice:
+  return backend_choices.AUTO_CHOICES.get((platform, op), backend_choices.NOT_MEASURED)
+
+
+def _decisions(caplog) -> list[str]:
+  return [r.getMessage() for r in caplog.records if r.name == "kvjax"]
 
 
 def test_the_faster_eligible_implementation_is_measured_best():
@@ -166,63 +172,94 @@ def test_the_faster_eligible_implementation_is_measured_best():
   assert len(entry["date"]) == 10
 
 
-def test_a_measured_file_decides_auto_for_its_device_kind(measured_dir):
-  path = _write({"causal_attention": _entry(xla=2e-3, fused=1e-3)})
-  assert path == measured_dir / "auto" / f"{backend_choices.device_slug(_kind())}.json"
-  assert backend_choices.device_slug("NVIDIA H200") == "nvidia-h200"
+def test_a_named_file_decides_auto_and_the_first_decision_is_logged(unnamed, caplog):
+  caplog.set_level(logging.INFO, logger="kvjax")
+  path = _write(unnamed / "choices.json", {"causal_attention": _entry(xla=2e-3, fused=1e-3)})
   doc = json.loads(path.read_text())
-  assert (doc["format"], doc["device_kind"], doc["platform"]) == (1, _kind(), "cpu")
-  assert backend_lib.resolve("auto", "causal_attention") == "fused"
-  with backend_lib.use("auto"):
-    assert backend_lib.get("causal_attention") is backend_lib.implementations(
-        "causal_attention")["fused"]
-  why = backend_choices.auto_choice("cpu", "causal_attention").why
+  assert (doc["format"], doc["device_kind"], doc["platform"]) == (1, "a chip", "cpu")
+  # Unnamed, the table decides: the file sits there unread.
+  assert backend_choices.auto_choice("cpu", "causal_attention") == _table("cpu",
+                                                                          "causal_attention")
+  assert _decisions(caplog) == []
+  for _ in range(2):
+    assert backend_choices.auto_choice("cpu", "causal_attention", path).backend == "fused"
+    assert backend_lib.resolve("auto", "causal_attention", platform="cpu",
+                               choices=path) == "fused"
+  assert execution.create("auto", platform="cpu", choices=path).choice(
+      "causal_attention") == "fused"
+  (logged,) = _decisions(caplog)  # once per file
+  assert str(path) in logged and "a chip" in logged and "causal_attention: fused" in logged
+  why = backend_choices.auto_choice("cpu", "causal_attention", path).why
   assert "xla 2 ms, fused 1 ms" in why and str(path) in why
   # Ops the file does not name: the table, where unmeasured pairs are XLA.
-  table = backend_choices.AUTO_CHOICES
-  assert backend_choices.auto_choice("cpu", "paged_attention") == table["cpu", "paged_attention"]
-  assert backend_choices.auto_choice("cpu", "window_scores") == backend_choices.NOT_MEASURED
-  # Another platform (a program built for a chip this machine lacks) never reads it.
-  assert backend_choices.auto_choice("gpu", "causal_attention") == backend_choices.NOT_MEASURED
-  with platform_lib.targeting("gpu"):
-    assert backend_lib.resolve("auto", "causal_attention") == "xla"
-  # A new measurement merges with the file and overrides the table; read again when told.
-  _write({"paged_attention": _entry(xla=1e-3, pallas=2e-3)})
-  assert backend_choices.auto_choice("cpu", "paged_attention") == table["cpu", "paged_attention"]
+  assert backend_choices.auto_choice("cpu", "paged_attention", path) == _table(
+      "cpu", "paged_attention")
+  assert backend_choices.auto_choice("cpu", "window_scores", path) == (
+      backend_choices.NOT_MEASURED)
+  # Another platform (a program built for a chip it was not measured on) never reads it.
+  assert backend_choices.auto_choice("gpu", "causal_attention", path) == (
+      backend_choices.NOT_MEASURED)
+  # A new measurement replaces the file; it is read again (and logged again) when told.
+  _write(path, {"paged_attention": _entry(xla=1e-3, pallas=2e-3)})
+  assert backend_choices.auto_choice("cpu", "causal_attention", path).backend == "fused"
   backend_choices.forget_measured()
-  assert backend_choices.auto_choice("cpu", "paged_attention").backend == "xla"
-  assert backend_lib.resolve("auto", "paged_attention") == "xla"  # not native, as measured
-  assert backend_lib.resolve("auto", "causal_attention") == "fused"
+  assert backend_choices.auto_choice("cpu", "paged_attention", path).backend == "xla"
+  assert backend_lib.resolve("auto", "paged_attention", platform="cpu",
+                             choices=path) == "xla"  # not native, as measured
+  assert backend_choices.auto_choice("cpu", "causal_attention", path) == _table(
+      "cpu", "causal_attention")
+  assert len(_decisions(caplog)) == 2
 
 
-@pytest.mark.parametrize("content", [
-    "{not json", "[]", '{"format": 2, "ops": {}}',
-    lambda kind: {"format": 1, "device_kind": "other chip", "platform": "cpu", "ops": {}},
-    lambda kind: {"format": 1, "device_kind": kind, "platform": "cpu",
-                  "ops": {"paged_attention": {"backend": "pallas", "timings": [],
-                                              "jax_version": "0", "date": "d",
-                                              "command": "c"}}},
-    lambda kind: {"format": 1, "device_kind": kind, "platform": "cpu",
-                  "ops": {"causal_attention": {"backend": "fused"}}},
-], ids=["json", "list", "format", "device_kind", "interpreter", "entry"])
-def test_a_bad_measured_file_warns_once_and_leaves_the_table(measured_dir, content):
-  path = backend_choices.measured_path(_kind())
-  path.parent.mkdir(parents=True)
-  path.write_text(content if isinstance(content, str) else json.dumps(content(_kind())))
-  table = backend_choices.AUTO_CHOICES
-  with pytest.warns(UserWarning, match="ignoring the measured auto choices") as seen:
-    for _ in range(2):
-      assert backend_choices.auto_choice("cpu", "paged_attention") == table["cpu",
-                                                                            "paged_attention"]
-      assert backend_choices.auto_choice("cpu", "causal_attention") == table["cpu",
-                                                                             "causal_attention"]
-  assert len(seen) == 1
+def test_the_environment_names_a_file_and_the_argument_wins(unnamed, monkeypatch, caplog):
+  caplog.set_level(logging.INFO, logger="kvjax")
+  fused = _write(unnamed / "fused.json", {"causal_attention": _entry(xla=2e-3, fused=1e-3)})
+  xla = _write(unnamed / "xla.json", {"causal_attention": _entry(xla=1e-3, fused=2e-3)})
+  monkeypatch.setenv(backend_choices.CHOICES_ENV, str(fused))
+  assert backend_choices.auto_choice("cpu", "causal_attention").backend == "fused"
+  assert backend_lib.resolve("auto", "causal_attention", platform="cpu") == "fused"
+  assert backend_choices.auto_choice("cpu", "causal_attention", xla).backend == "xla"
+  assert [str(fused) in m for m in _decisions(caplog)] == [True, False]
+  monkeypatch.setenv(backend_choices.CHOICES_ENV, "")  # an empty variable names none
+  assert backend_choices.auto_choice("cpu", "causal_attention") == _table("cpu",
+                                                                          "causal_attention")
 
 
-def test_without_a_measured_file_auto_is_the_table_quietly(measured_dir):
+def test_without_a_name_the_table_decides_even_beside_a_cache_folder_file(unnamed, caplog):
+  # Where the preset once installed its measurements: this device kind's file.
+  caplog.set_level(logging.INFO, logger="kvjax")
+  for kind in (jax.devices()[0].device_kind, "cpu"):
+    everything = {op: _entry(xla=2e-3, fused=1e-3) for op in backend_lib.ops()}
+    _write(paths.cache_dir() / "auto" / f"{kind}.json", everything, kind=kind)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     for op in backend_lib.ops():
-      want = backend_choices.AUTO_CHOICES.get(("cpu", op), backend_choices.NOT_MEASURED)
-      assert backend_choices.auto_choice("cpu", op) == want
-  assert not (measured_dir / "auto").exists()
+      assert backend_choices.auto_choice("cpu", op) == _table("cpu", op)
+  assert execution.create("auto", platform="cpu").choice("causal_attention") != "fused"
+  assert _decisions(caplog) == []
+
+
+@pytest.mark.parametrize("content, error", [
+    ("{not json", "Expecting property name"), ("[]", "not a format-1"),
+    ('{"format": 2, "ops": {}}', "not a format-1"),
+    ({"format": 1, "ops": {}}, "no 'device_kind' and 'platform'"),
+    ({"format": 1, "device_kind": "a chip", "platform": "cpu"}, "no 'ops' object"),
+    ({"format": 1, "device_kind": "a chip", "platform": "cpu",
+      "ops": {"paged_attention": {"backend": "pallas", "timings": [], "jax_version": "0",
+                                  "date": "d", "command": "c"}}},
+     "'pallas' cannot run under auto on cpu"),
+    ({"format": 1, "device_kind": "a chip", "platform": "cpu",
+      "ops": {"causal_attention": {"backend": "fused"}}}, "malformed entry"),
+], ids=["json", "list", "format", "device_kind", "ops", "interpreter", "entry"])
+def test_a_bad_named_file_raises_what_is_wrong(unnamed, content, error):
+  path = unnamed / "bad.json"
+  path.write_text(content if isinstance(content, str) else json.dumps(content))
+  with pytest.raises(ValueError, match=f"{path}.*unusable: .*{error}"):
+    backend_choices.auto_choice("cpu", "paged_attention", path)
+
+
+def test_a_named_file_that_is_missing_raises(unnamed, monkeypatch):
+  missing = unnamed / "missing.json"
+  monkeypatch.setenv(backend_choices.CHOICES_ENV, str(missing))
+  with pytest.raises(FileNotFoundError, match=f"cannot read .*{missing}.*KVJAX_AUTO_CHOICES"):
+    backend_choices.auto_choice("cpu", "paged_attention")

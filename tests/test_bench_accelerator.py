@@ -4,7 +4,10 @@ No timing assertions: on CPU the preset checks that every section runs.
 """
 
 import dataclasses
+import importlib.util
 import json
+import os
+import pathlib
 import subprocess
 import sys
 
@@ -16,6 +19,10 @@ from kvjax import backend_choices
 from kvjax import paths
 from kvjax.bench import accelerator
 from kvjax.bench import runner
+from kvjax.bench.accelerator import scales
+from kvjax.bench.accelerator import shapes
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 COMMON = ("section", "label", "impl", "status", "error", "device_kind", "platform", "scale",
           "elapsed_s")
@@ -32,10 +39,18 @@ UNITS = {"kernel": {"GB/s", "TFLOP/s"}, "decode": {"ms/step"}, "throughput": {"t
 
 
 def test_small_preset_writes_every_section(tmp_path, monkeypatch):
+  env = {k: v for k, v in os.environ.items() if k != backend_choices.CHOICES_ENV}
+  # A cache folder of its own, sharing the native kernels already built (seconds each).
+  env[paths.CACHE_ENV] = str(tmp_path / "cache")
+  (tmp_path / "cache").mkdir()
+  (tmp_path / "cache" / "native").symlink_to(paths.cache_dir() / "native",
+                                             target_is_directory=True)
   proc = subprocess.run(
       [sys.executable, "-m", "kvjax.bench", "--preset=accelerator", f"--out={tmp_path}"],
-      capture_output=True, text=True, timeout=900)
+      capture_output=True, text=True, timeout=900, env=env)
   assert proc.returncode == 0, proc.stderr[-3000:]
+  # The measurement stays in the run's folder: nothing for later calls to find.
+  assert not (tmp_path / "cache" / "auto").exists()
   rows = [json.loads(l) for l in (tmp_path / "results.jsonl").read_text().splitlines()]
   assert {r["section"] for r in rows} == set(accelerator.SECTIONS)
   for r in rows:
@@ -73,10 +88,12 @@ def test_small_preset_writes_every_section(tmp_path, monkeypatch):
 
 def _check_choices(out, stdout, monkeypatch):
   """The run's auto_choices.json: per op the faster eligible implementation, with its
-  figures; not installed at small scale, and deciding "auto" once installed."""
+  figures; how to name it printed, and deciding "auto" only where named."""
   choices = out / "auto_choices.json"
-  assert f"written to {choices}; not installed" in stdout
+  assert f"written to {choices}." in stdout
+  assert f"export KVJAX_AUTO_CHOICES={choices}" in stdout
   assert "('cpu', 'causal_attention'): Choice(" in stdout
+  assert "not to commit" in stdout  # toy sizes on a CPU
   doc = json.loads(choices.read_text())
   assert (doc["format"], doc["device_kind"], doc["platform"]) == (1, "cpu", "cpu")
   assert set(doc["ops"]) == {"paged_attention", "causal_attention"}
@@ -88,18 +105,56 @@ def _check_choices(out, stdout, monkeypatch):
     assert entry["backend"] == best, entry
     assert entry["jax_version"] == jax.__version__
     assert entry["command"].endswith("--scale=small")
-  # Installed as this device kind's measured choices, they decide "auto".
-  monkeypatch.setenv(paths.CACHE_ENV, str(out / "cache"))
+  # Named, they decide "auto" (xla or fused: a bfloat16 run times no native kernel).
+  monkeypatch.setenv(backend_choices.CHOICES_ENV, str(choices))
   backend_choices.forget_measured()
   try:
-    installed = backend_choices.measured_path("cpu")
-    installed.parent.mkdir(parents=True)
-    installed.write_text(choices.read_text())
     for op, entry in doc["ops"].items():
       assert backend_choices.auto_choice("cpu", op).backend == entry["backend"]
-      assert backend.resolve("auto", op) == entry["backend"]  # xla or fused: no native build
+      assert backend.resolve("auto", op, platform="cpu") == entry["backend"]
   finally:
     backend_choices.forget_measured()
+
+
+def _config_file(path: pathlib.Path):
+  spec = importlib.util.spec_from_file_location(path.stem, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+@pytest.mark.parametrize("name", ["llama3_2_1b", "smollm2_135m"])
+def test_the_shipped_shapes_are_the_configs_files(name):
+  # The preset ships its shapes (it reads no repository file); configs/ states them too.
+  assert shapes.SHAPES[name] == _config_file(ROOT / "configs" / f"{name}.py")
+  assert accelerator.model_config(name) is shapes.SHAPES[name]
+  assert accelerator.FULL.model in shapes.SHAPES
+  assert accelerator.FULL.equality_model in shapes.SHAPES
+
+
+def test_a_config_file_replaces_the_model(tmp_path):
+  path = tmp_path / "two_layers.py"
+  path.write_text("from kvjax.models.config import LlamaConfig\n\n"
+                  "def get_config():\n"
+                  "  return LlamaConfig(vocab_size=256, hidden_size=64, num_layers=1, "
+                  "num_heads=2, num_kv_heads=1, head_dim=32, intermediate_size=128, "
+                  "name='one layer')\n")
+  assert accelerator.model_config(str(path)).name == "one layer"
+  scale = dataclasses.replace(accelerator.SMALL, model=str(path))
+  assert scales.command(scale) == f"{accelerator.COMMAND} --scale=small --config={path}"
+  assert scales.command(accelerator.SMALL) == f"{accelerator.COMMAND} --scale=small"
+  accelerator.run(tmp_path / "out", scale="small", sections=(), config=path)
+  summary = (tmp_path / "out" / "summary.md").read_text()
+  assert f"--config={path}`" in summary and "random one layer shape (1 layers" in summary
+  with pytest.raises(FileNotFoundError, match="neither a shape the preset ships"):
+    accelerator.model_config("configs/llama3_2_1b")  # a name, not a file
+
+
+def test_a_missing_config_file_exits_2(tmp_path):
+  proc = subprocess.run([sys.executable, "-m", "kvjax.bench", "--preset=accelerator",
+                         f"--config={tmp_path / 'nope.py'}", f"--out={tmp_path}"],
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2 and f"--config: no file {tmp_path / 'nope.py'}" in proc.stderr
 
 
 def test_table_lines_are_the_measured_choice_in_python():

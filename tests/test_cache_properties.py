@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import backend as backend_lib
+from kvjax import execution
 from kvjax import policies
 from kvjax import testing
 from kvjax.cache import EMPTY
@@ -142,7 +142,7 @@ def _decode(cache, k, v, positions, *, mode):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _evict(policy, cache, limit, positions):
-  return policy.before_decode_step(cache, limit, positions)
+  return policy.before_decode_step(execution.Execution(), cache, limit, positions)
 
 
 @jax.jit
@@ -182,9 +182,9 @@ def _prefill_rows(cache, k, v, positions, slots, scores, chosen):
   return jax.lax.fori_loop(0, cache.num_layers, layer, cache)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _select(policy, budget, budgets, layer, prompt, q, k, v):
-  slots, scores = policy.select(budget, budgets)(layer, prompt, q, k, v)
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _select(policy, layout, layer, prompt, q, k, v):
+  slots, scores = policy.select(execution.Execution(), layout)(layer, prompt, q, k, v)
   return slots, (jnp.zeros(slots.shape, jnp.float32) if scores is None else scores)
 
 
@@ -362,13 +362,13 @@ class Run:
     else:
       name, fields, budget = POLICIES[selector]
       policy = policies.get(name, **fields)
-      budgets = policy.layer_budgets(budget, t, l)
+      layout = testing.layout_for(policy, budget, t, num_layers=l, num_kv_heads=kh)
       prompt = Prompt(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(lengths))
       select = self.op(_select)
-      slots, scores = zip(*(select(policy, budget, budgets, layer, prompt, q[layer], k[layer],
+      slots, scores = zip(*(select(policy, layout, layer, prompt, q[layer], k[layer],
                                    v[layer]) for layer in range(l)))
       slots, scores = np.stack(slots), np.stack(scores)
-      promise = (name, fields, budgets)
+      promise = (name, fields, layout.budgets)
     slots = np.where(chosen[None, :, None, None], slots, EMPTY).astype(np.int32)
     hypothesis.event(f"prefill: {selector if isinstance(selector, str) else POLICIES[selector][0]}"
                      f" through {'prefill_attention' if chosen.all() else 'rows'}")
@@ -594,8 +594,8 @@ def test_jit_and_no_jit_agree_and_a_program_is_deterministic(program):
 @functools.partial(jax.jit, static_argnames=("backend",))
 def _decode_attention(cache, layer, q, k, v, positions, *, backend):
   cache = cache.reserve(cache.lengths + 1)
-  with backend_lib.use(backend):
-    return attention.decode_attention(cache, layer, q, k, v, positions, accumulate=True)
+  return attention.decode_attention(cache, layer, q, k, v, positions, accumulate=True,
+                                    ex=execution.create(backend))
 
 
 @hypothesis.settings(EQUIVALENCE_SETTINGS, max_examples=max(EXAMPLES // 40, 3))

@@ -141,7 +141,10 @@ class FusedFormTest(parameterized.TestCase):
     testing.assert_close(got, ca.causal_attention_reference(q, k, v), jnp.bfloat16)
 
   def test_registered_as_the_fused_causal_attention(self):
-    self.assertIs(backend_lib._OPS["causal_attention"]["fused"], ca.causal_attention_fused)
+    fused = backend_lib.implementation("causal_attention", "fused", platform="gpu",
+                                       interpret=False)
+    self.assertIs(fused.func.__globals__["causal_attention_fused"], ca.causal_attention_fused)
+    self.assertEqual(fused.keywords["target"], "gpu")
 
 
 class LowersForChipsTest(parameterized.TestCase):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import kvjax
+from kvjax import execution
 from kvjax import generation as generate_lib
 from kvjax import policies
 from kvjax import testing
@@ -70,7 +71,8 @@ def test_two_chunks_keep_the_global_top_norms_and_attend_to_what_is_kept():
   v = rng.normal(size=(b, 2 * c, kh, h)).astype(np.float32)
   cache = PagedKVCache.create(batch_size=b, capacity=budget + c, num_layers=1, num_kv_heads=kh,
                               head_dim=h, page_size=8)
-  select = policies.get("knorm").select(budget, (budget,))
+  knorm = policies.get("knorm")
+  select = knorm.select(execution.Execution(), testing.layout_for(knorm, budget, 2 * c))
   positions = np.arange(2 * c, dtype=np.int32)[None]
   outs = []
   for i in range(2):
@@ -184,7 +186,9 @@ def test_a_chunk_program_updates_the_pools_in_place():
   rng = np.random.default_rng(0)
   q, k, v = (jnp.asarray(rng.normal(size=(1, 24, heads, 16)), jnp.float32)
              for heads in (4, 2, 2))
-  select = policies.get("snapkv", window=8).select(32, (32,) * 16)
+  snapkv = policies.get("snapkv", window=8)
+  select = snapkv.select(execution.Execution(),
+                         testing.layout_for(snapkv, 32, 24, num_layers=16, num_kv_heads=2))
 
   def program(cache, q, k, v):
     for start in (0, 12):  # the second chunk compresses cached entries and itself

@@ -22,18 +22,20 @@ def gates_dir(tmp_path_factory):
 
 
 def test_head_budgets_by_hand(gates_dir):
-  duo = policies.get("duo", gates=gates_dir, recent=28).for_cache(page_size=16, grow=16)
+  duo = policies.get("duo", gates=gates_dir, recent=28)
+  sized = dict(page_size=16, grow=16)
   # Streaming share 4 + 28 = 32 (3 pages with the 16 new tokens); 4 heads x 5 pages at
   # budget 64: 8 pages left, all to the highest gate (layer 1, head 1), short of the
   # 17 pages of the whole 256-token prompt.
-  np.testing.assert_array_equal(duo.head_budgets(64, 256, 2, 2), [[32, 32], [32, 160]])
+  np.testing.assert_array_equal(duo.head_budgets(64, 256, 2, 2, **sized), [[32, 32], [32, 160]])
   # At budget 256 every head holds the whole prompt.
-  np.testing.assert_array_equal(duo.head_budgets(256, 256, 2, 2), [[256] * 2] * 2)
+  np.testing.assert_array_equal(duo.head_budgets(256, 256, 2, 2, **sized), [[256] * 2] * 2)
   # At budget 128 (9 pages a head): 24 pages left, 14 to the first head, 10 to the next.
-  np.testing.assert_array_equal(duo.head_budgets(128, 256, 2, 2), [[192, 32], [32, 256]])
-  capacity, pages = duo.cache_layout(2, budget=128, prompt_len=256, extra_tokens=0,
-                                     max_new_tokens=16, page_size=16, num_layers=2)
-  assert capacity == ((208, 48), (48, 272)) and pages is None
+  np.testing.assert_array_equal(duo.head_budgets(128, 256, 2, 2, **sized), [[192, 32], [32, 256]])
+  layout = duo.layout(128, prompt_len=256, extra_tokens=0, max_new_tokens=16, page_size=16,
+                      num_kv_heads=2, windows=(0, 0))
+  capacity = layout.capacity
+  assert capacity == ((208, 48), (48, 272)) and layout.pages is None and layout.per_head
   assert sum(map(sum, capacity)) == 4 * 144  # what every head at 128 (+16) holds
 
 

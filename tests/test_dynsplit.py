@@ -8,12 +8,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvjax import execution
 from kvjax import policies
 from kvjax import testing
 from kvjax.cache import Prompt
 
 DELIM = 1
 T, K, G, H = 64, 2, 3, 8
+EX = execution.Execution()
+
+
+def _layout(budget, layers=1):
+  """Every one of ``layers`` layers keeps ``budget`` (DynSplit-KV's layout)."""
+  return testing.layout_for(_policy(), budget, T, num_layers=layers)
 
 
 def _prompt(tokens):
@@ -42,7 +49,7 @@ def test_cuts_where_attention_density_drops():
   # the first block, the block that holds them ends right after 17, where the
   # density drops.
   q, k = _attending(list(range(13, 18)))
-  plan = _policy(delimiter_ids=tuple(range(0, 60))).plan(
+  plan = _policy(delimiter_ids=tuple(range(0, 60))).plan(EX,
       _prompt(np.arange(T) % 50), q, k, 24, 24)
   starts, sizes = np.asarray(plan.starts[0]), np.asarray(plan.sizes[0])
   ends = (starts + sizes)[sizes > 0].tolist()
@@ -54,7 +61,7 @@ def test_cuts_where_attention_density_drops():
 
 def test_falls_back_to_s_plus_c_without_candidates():
   q, k = _attending([20])
-  plan = _policy().plan(_prompt(np.full(T, 7)), q, k, 24, 24)
+  plan = _policy().plan(EX, _prompt(np.full(T, 7)), q, k, 24, 24)
   nb = T // (8 - 3) + 1  # T // (C - D) + 1 tiles
   chex.assert_shape([plan.starts, plan.sizes], (1, nb))
   chex.assert_shape(plan.block_scores, (1, K, nb))
@@ -67,7 +74,7 @@ def test_falls_back_to_s_plus_c_without_candidates():
 
 def test_keeps_whole_blocks_then_exactly_the_budget():
   q, k = _attending([20, 21])
-  plan = _policy().plan(_prompt(np.full(T, 7)), q, k, 8 + 8 + 3, 19)
+  plan = _policy().plan(EX, _prompt(np.full(T, 7)), q, k, 8 + 8 + 3, 19)
   kept = np.nonzero(np.asarray(plan.keep[0, 0]))[0].tolist()
   assert set(range(16, 24)) <= set(kept)  # the block [16, 24) holding 20 and 21, whole
   assert set(range(T - 8, T)) <= set(kept)  # the window
@@ -86,31 +93,32 @@ def test_a_shared_split_gives_every_layer_the_split_of_the_mean_density():
   policy = _policy(delimiter_ids=tuple(range(0, 60)))
   prompt = _prompt(np.arange(T) % 50)
   (q0, k0), (q1, k1) = _attending(list(range(13, 18))), _attending(list(range(35, 40)))
-  dens = [policy.scorer.prefix_scores(q, k, prompt.lengths)[1] for q, k in ((q0, k0), (q1, k1))]
-  own = [_ends(*policy.split(prompt, d)) for d in dens]
+  dens = [policy.scorer.prefix_scores(EX, q, k, prompt.lengths)[1] for q, k in ((q0, k0), (q1, k1))]
+  own = [_ends(*policy.split(EX, prompt, d)) for d in dens]
   assert own == [[11, 18, 29, 40, 51, 56], [11, 22, 33, 40, 51, 56]]
 
   shared = dataclasses.replace(policy, shared_split=True)
   assert shared.needs_every_layer and not policy.needs_every_layer
   recorded = (jnp.stack([q0, q1]), jnp.stack([k0, k1]), jnp.stack([k0, k1]))
-  select = shared.select_recorded(24, (24, 24), prompt, recorded)
-  starts, sizes = policy.split(prompt, (dens[0] + dens[1]) / 2)
+  select = shared.select_recorded(EX, _layout(24, 2), prompt, recorded)
+  starts, sizes = policy.split(EX, prompt, (dens[0] + dens[1]) / 2)
   assert _ends(starts, sizes) not in own
   changed = []
   for layer, (q, k) in enumerate(((q0, k0), (q1, k1))):
     slots, _ = select(layer, prompt, q, k, k)
-    scores = policy.scorer.prefix_scores(q, k, prompt.lengths)[0]
+    scores = policy.scorer.prefix_scores(EX, q, k, prompt.lengths)[0]
     want = policy.plan_from_blocks(scores, starts, sizes, prompt, 24, 24).keep
     np.testing.assert_array_equal(np.asarray(slots) >= 0, want)
     np.testing.assert_array_equal((np.asarray(slots) >= 0).sum(-1), 24)
-    alone = policy.select(24, (24, 24))(layer, prompt, q, k, k)[0]
+    alone = policy.select(EX, _layout(24, 2))(layer, prompt, q, k, k)[0]
     changed.append(bool((np.asarray(alone) != np.asarray(slots)).any()))
   assert any(changed)
   # Per layer, select_recorded is select.
-  slots, _ = policy.select_recorded(24, (24, 24), prompt, recorded)(1, prompt, q1, k1, k1)
-  np.testing.assert_array_equal(slots, policy.select(24, (24, 24))(1, prompt, q1, k1, k1)[0])
+  layout = _layout(24, 2)
+  slots, _ = policy.select_recorded(EX, layout, prompt, recorded)(1, prompt, q1, k1, k1)
+  np.testing.assert_array_equal(slots, policy.select(EX, layout)(1, prompt, q1, k1, k1)[0])
   with pytest.raises(ValueError, match="needs them all first"):
-    shared.select(24, (24,))
+    shared.select(EX, _layout(24))
 
 
 def _random_inputs(seed, t=96):
@@ -125,7 +133,7 @@ def _random_inputs(seed, t=96):
 @pytest.mark.parametrize("budget", [12, 60])
 def test_exactly_the_budget_per_head_and_one_compile_per_budget(budget):
   policy = _policy()
-  select = jax.jit(lambda q, k, prompt: policy.select(budget, (budget,))(0, prompt, q, k, k)[0])
+  select = jax.jit(lambda q, k, prompt: policy.select(EX, _layout(budget))(0, prompt, q, k, k)[0])
   inputs = [_random_inputs(seed) for seed in range(2)]
   with testing.count_compilations() as n:
     outs = [select(*x) for x in inputs]
@@ -153,4 +161,4 @@ def test_bad_fields():
     policies.get("dynsplit_kv", alpha=float("nan"))
   q, k, prompt = _random_inputs(0)
   with pytest.raises(ValueError, match="needs delimiter_ids"):
-    policies.get("dynsplit_kv").select(20, (20,))(0, prompt, q, k, k)
+    policies.get("dynsplit_kv").select(EX, _layout(20))(0, prompt, q, k, k)

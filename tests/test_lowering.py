@@ -1,8 +1,9 @@
 """Every program ``generate`` compiles lowers for GPU (cuda) and TPU, for every policy.
 
-No chip here: each program generate asks for is traced again under
-``kernels.platform.targeting`` (kernels in their compiled form, "auto"
-resolved as it would be on that chip) and lowered with
+No chip here: each program generate asks for is traced again with an
+execution built for the chip (``kvjax.execution.create(backend, platform=...)``:
+kernels in their compiled form, "auto" resolved as it would be there) and
+lowered with
 ``lowering_platforms``; generate itself gets a stand-in program that returns
 zeros of the right shapes, so nothing runs and the weights can stay abstract
 (shapes only: SmolLM2's and Llama-3.2-1B's real widths cost no memory).
@@ -28,10 +29,12 @@ import pytest
 from flax import nnx
 
 import kvjax
+from kvjax import backend as backend_lib
+from kvjax import execution
 from kvjax import policies
 from kvjax import testing
 from kvjax.generation import compile as compile_lib
-from kvjax.kernels import platform
+from kvjax.kernels import platform as platform_lib
 from kvjax.models.config import Gemma3Config
 from kvjax.models.gemma3 import module_class
 from kvjax.models.lm import LanguageModel
@@ -94,21 +97,19 @@ def lowered(monkeypatch):
   seen: list[tuple[str, str, str]] = []
   done: dict = {}
 
-  def lower_instead(fn, args, statics):
+  def lower_instead(fn, args, statics, mesh=None):
+    assert mesh is None
     key = (fn.__name__, tuple(sorted(statics.items(), key=lambda kv: kv[0])),
            jax.tree.structure(args),
            tuple((jnp.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(args)))
     if key not in done:
-      program = functools.partial(fn, **statics)
       for lowering_platform, (target, _) in TARGETS.items():
-        # The kernels' own jit caches key on their arguments, not on the
-        # target: a wrapper traced for one platform would serve the other.
-        jax.clear_caches()
-        with platform.targeting(target):
-          text = jax.jit(program, donate_argnums=(1,)).trace(*args).lower(
-              lowering_platforms=(lowering_platform,)).as_text()
+        ex = execution.create(statics["ex"].backend, platform=target)
+        program = functools.partial(fn, **dict(statics, ex=ex))
+        text = jax.jit(program, donate_argnums=(1,)).trace(*args).lower(
+            lowering_platforms=(lowering_platform,)).as_text()
         seen.append((fn.__name__, lowering_platform, text))
-      done[key] = _StandIn(jax.eval_shape(program, *args))
+      done[key] = _StandIn(jax.eval_shape(functools.partial(fn, **statics), *args))
     return done[key], 0.0
 
   monkeypatch.setattr(compile_lib, "compiled", lower_instead)
@@ -179,3 +180,41 @@ def test_gemma3_rings_lower(lowered, name, tmp_path):
   """Gemma 3 270M's shape, its local layers rings: a 2047-token prompt wraps them in
   the prefill, the chunked prefill and the question; the decode loop writes over them."""
   _every_program(lowered, name, "auto", "gemma3_270m", False, tmp_path)
+
+
+def test_tracing_reads_no_ambient_state(monkeypatch):
+  """Each program traced inside ``backend.use`` and ``targeting`` naming something
+  else lowers to the same text as traced outside them: what it runs is its
+  explicit execution (Pallas kernels for a TPU here), nothing ambient."""
+  ex = execution.create("pallas", platform="tpu")
+  texts: dict[str, tuple[str, str]] = {}
+
+  def lower(fn, args, statics):
+    jax.clear_caches()  # a kernel's jit cache would hide a second, ambient-reading trace
+    program = jax.jit(functools.partial(fn, **dict(statics, ex=ex)), donate_argnums=(1,))
+    return program.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+
+  def lower_twice(fn, args, statics, mesh=None):
+    plain = lower(fn, args, statics)
+    # Ambient settings unlike both the explicit execution and the defaults (XLA, CPU).
+    with backend_lib.use("pallas"), platform_lib.targeting("gpu"):
+      inside = lower(fn, args, statics)
+    texts[fn.__name__] = (plain, inside)
+    return _StandIn(jax.eval_shape(functools.partial(fn, **statics), *args)), 0.0
+
+  monkeypatch.setattr(compile_lib, "compiled", lower_twice)
+  lm = _abstract_model("smollm2_135m", scan_layers=True)
+  prompt = _prompt(lm.config.vocab_size)[:700]
+  kvjax.generate(lm, [prompt], policy="snapkv", budget=128, max_new_tokens=2)
+  kvjax.generate(lm, [prompt], policy="paged_eviction", budget=128, max_new_tokens=2,
+                 prefill_chunk=256)
+  assert set(texts) == {"prefill", "prefill_chunk", "decode"}
+  for name, (plain, inside) in texts.items():
+    assert "tpu_custom_call" in plain, f"{name} holds no Pallas kernel for the TPU"
+    assert plain == inside, f"{name} traced differently inside backend.use / targeting"
+
+
+def test_targeting_and_use_build_the_execution_they_name():
+  with backend_lib.use("pallas"), platform_lib.targeting("tpu"):
+    assert execution.ambient() == execution.create("pallas", platform="tpu")
+  assert execution.ambient() == execution.create("xla")

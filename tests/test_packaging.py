@@ -3,7 +3,9 @@
 A package named `kernels` exists on PyPI; shipping ours under that name would
 clash in site-packages. The wheel is built from a copy of the checkout so the
 build leaves nothing behind in it. Importing kvjax leaves Pallas' TPU and GPU
-lowerings unloaded until a kernel asks for them.
+lowerings unloaded until a kernel asks for them. The installed wheel runs the
+accelerator preset from a folder outside the checkout: it reads no repository
+file.
 """
 
 from __future__ import annotations
@@ -38,15 +40,20 @@ def _run(cmd, **kw):
   return res.stdout
 
 
-def _probe(cwd: pathlib.Path, pythonpath: pathlib.Path | None) -> dict:
-  """Runs PROBE in a fresh interpreter, from a folder outside the checkout."""
+def _env(pythonpath: pathlib.Path | None) -> dict:
+  """This process's environment for a CPU run, with ``pythonpath`` first on the path."""
   env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
   if pythonpath is not None:
     # Prepended: it must win over the editable install in this venv.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath),
                                                       os.environ.get("PYTHONPATH")]))
   env["JAX_PLATFORMS"] = "cpu"
-  out = _run([sys.executable, "-c", PROBE], cwd=cwd, env=env)
+  return env
+
+
+def _probe(cwd: pathlib.Path, pythonpath: pathlib.Path | None) -> dict:
+  """Runs PROBE in a fresh interpreter, from a folder outside the checkout."""
+  out = _run([sys.executable, "-c", PROBE], cwd=cwd, env=_env(pythonpath))
   return json.loads(out.strip().splitlines()[-1])
 
 
@@ -88,19 +95,61 @@ def test_wheel_ships_every_module(wheel):
   assert not want - names, f"missing from the wheel: {sorted(want - names)}"
 
 
-def test_installed_wheel_imports_kvjax_kernels(wheel, tmp_path):
+def _install(wheel: pathlib.Path, tmp_path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+  """(site folder with the wheel installed in it, an empty working folder), both
+  outside the checkout."""
   target = tmp_path / "site"
   _run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "--target",
         str(target), str(wheel)])
-  assert not (target / "kernels").exists()
   cwd = tmp_path / "cwd"
   cwd.mkdir()
+  return target, cwd
+
+
+def test_installed_wheel_imports_kvjax_kernels(wheel, tmp_path):
+  target, cwd = _install(wheel, tmp_path)
+  assert not (target / "kernels").exists()
   found = _probe(cwd, target)
   assert _inside(found["kvjax.kernels"], target / "kvjax" / "kernels"), found
   assert _inside(found["kvjax"], target / "kvjax"), found
   # `import kernels` must not find this project (the wheel or the checkout).
   assert not _inside(found["kernels"], target), found
   assert not _inside(found["kernels"], ROOT), found
+
+
+# Printed by a fresh interpreter: where the preset's code and its full-scale shapes come from.
+SHAPES = """
+import json
+from kvjax.bench import accelerator
+from kvjax.bench.accelerator import scales
+print(json.dumps({"scales": scales.__file__, "model": scales.model_config("llama3_2_1b").name,
+                  "equality": scales.model_config("smollm2_135m").num_layers}))
+"""
+
+
+# 72-102 s on the shared 2-core machine (every section at toy sizes; about 58 s of CPU).
+@pytest.mark.slow
+def test_installed_wheel_runs_the_accelerator_preset_outside_the_checkout(wheel, tmp_path):
+  # Its model shapes ship in the package (no configs/ beside it); on a CPU the
+  # small scale runs every section, none refused, at toy sizes.
+  target, cwd = _install(wheel, tmp_path)
+  found = json.loads(_run([sys.executable, "-c", SHAPES], cwd=cwd,
+                          env=_env(target)).strip().splitlines()[-1])
+  assert _inside(found["scales"], target / "kvjax"), found
+  assert (found["model"], found["equality"]) == ("Llama-3.2-1B", 30), found
+  out = cwd / "out"
+  stdout = _run([sys.executable, "-m", "kvjax.bench", "--preset=accelerator", "--scale=small",
+                 f"--out={out}"], cwd=cwd, env=_env(target))
+  rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+  assert [r for r in rows if r["status"] != "ok"] == []
+  assert {r["section"] for r in rows} == {"kernel", "decode", "throughput", "prefill",
+                                          "equality"}
+  assert all(r["equal"] for r in rows if r["section"] == "equality"), rows
+  choices = json.loads((out / "auto_choices.json").read_text())
+  assert set(choices["ops"]) == {"paged_attention", "causal_attention"}, choices
+  assert f"export KVJAX_AUTO_CHOICES={out / 'auto_choices.json'}" in stdout
+  assert "`python -m kvjax.bench --preset=accelerator --scale=small`" in (
+      out / "summary.md").read_text()
 
 
 def test_source_tree_imports_kvjax_kernels(tmp_path):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import kvjax
+from kvjax import execution
 from kvjax import policies
 from kvjax import testing
 from kvjax.cache import PagedKVCache
@@ -14,6 +15,7 @@ from kvjax.cache import Prompt
 from kvjax.policies import paged_eviction
 
 T, K, G, H, PS = 48, 2, 3, 8, 4
+EX = execution.Execution()
 
 
 def _prompt(length=T):
@@ -32,7 +34,7 @@ def _kv(v_norms, k_norms=None):
 
 
 def _kept(policy, budget, k, v, length=T):
-  select = policy.select(budget, (budget,))
+  select = policy.select(EX, testing.layout_for(policy, budget, T))
   slots, _ = select(0, _prompt(length), jnp.zeros((1, T, K * G, H)), k, v)
   slots = np.asarray(slots)[0]
   return [np.nonzero(slots[h] >= 0)[0].tolist() for h in range(K)], slots
@@ -96,7 +98,8 @@ class TestPrefill:
 
     def run(budget, seed):
       k, v = _kv(np.random.default_rng(seed).uniform(1, 3, (T, K)))
-      fn = jax.jit(lambda k, v: policy.select(budget, (budget,))(
+      layout = testing.layout_for(policy, budget, T)
+      fn = jax.jit(lambda k, v: policy.select(EX, layout)(
           0, _prompt(), jnp.zeros((1, T, K * G, H)), k, v)[0])
       return fn, k, v
 
@@ -136,7 +139,7 @@ def _full_cache(page_scores, lengths=None):
 
 def _step(policy, cache, limit, question=None):
   limit = jnp.full(cache.lengths.shape, limit, jnp.int32)
-  return policy.before_decode_step(cache, limit, jnp.asarray([cache.max_slots], jnp.int32),
+  return policy.before_decode_step(EX, cache, limit, jnp.asarray([cache.max_slots], jnp.int32),
                                    None if question is None else jnp.asarray([question], jnp.int32))
 
 
@@ -207,13 +210,13 @@ class TestDecode:
     # round_up(17 + 1) = 20 slots, which the head fills and never overflows.
     policy = policies.get("paged_eviction", page_size=PS)
     budget, question = 3 * PS, 5
-    capacity = policy.capacity(budget=budget, prompt_len=40, extra_tokens=question,
-                               max_new_tokens=64, page_size=PS, num_layers=1)
+    capacity = policy.layout(budget, prompt_len=40, extra_tokens=question, max_new_tokens=64,
+                             page_size=PS, num_kv_heads=K, windows=(0,)).capacity
     assert capacity == (20,)
     cache = _full_cache(np.linspace(1.0, 2.0, 5), lengths=budget + question)
     limit = jnp.full(cache.lengths.shape, budget + question, jnp.int32)
     span = jnp.asarray([[12, 17]], jnp.int32)
-    step = jax.jit(lambda c, pos: policy.before_decode_step(c, limit, pos, span)
+    step = jax.jit(lambda c, pos: policy.before_decode_step(EX, c, limit, pos, span)
                    .open_token_slots(pos)[0])
     lengths = []
     for i in range(24):

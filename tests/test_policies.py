@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 import kvjax
+from kvjax import execution
 from kvjax import policies
+from kvjax import testing
 from kvjax.cache import Prompt
 from kvjax.cache.paged import round_up
 from kvjax.policies import delimiters
@@ -16,6 +18,7 @@ from kvjax.policies import scoring
 from kvjax.policies import selection
 
 T, K, G, H = 48, 2, 3, 8
+EX = execution.Execution()
 
 
 def _prompt(lengths=(T,), tokens=None):
@@ -29,8 +32,8 @@ def _kept(policy, budget, q, k, v=None, prompt=None, layer=0):
   """Original positions kept per (sequence, KV head), as sorted python lists."""
   prompt = prompt or _prompt((q.shape[1],) * q.shape[0])
   v = k if v is None else v
-  budgets = policy.layer_budgets(budget, q.shape[1], 1)
-  slots, _ = policy.select(budget, budgets)(layer, prompt, q, k, v)
+  layout = testing.layout_for(policy, budget, q.shape[1], num_kv_heads=k.shape[2])
+  slots, _ = policy.select(EX, layout)(layer, prompt, q, k, v)
   slots = np.asarray(slots)
   return [[sorted(np.nonzero(slots[b, h] >= 0)[0].tolist()) for h in range(slots.shape[1])]
           for b in range(slots.shape[0])]
@@ -64,8 +67,8 @@ class TestRegistry:
         "sablock": window + ["delimiter_ids", "max_segment", "min_segment", "gamma", "epsilon",
                              "max_block"],
         "dynsplit_kv": window + ["delimiter_ids", "chunk", "delta", "alpha", "shared_split"],
-        "adakv": ["inner", "floor", "window", "page_size", "grow"],
-        "duo": ["gates", "n_sink", "recent", "page_size", "grow"]}
+        "adakv": ["inner", "floor", "window"],
+        "duo": ["gates", "n_sink", "recent"]}
     assert policies.get("snapkv", window=16).window == 16
     assert policies.get(policies.get("snapkv"), window=16) == policies.get("snapkv", window=16)
     with pytest.raises(ValueError, match="unknown policy 'snap'"):
@@ -263,12 +266,12 @@ class TestSharedStages:
     q, k = _attending([[5, 17], [30, 2]], 8)
     lengths = jnp.asarray([T - 3], jnp.int32)
     scorer = scoring.WindowScorer(8, 5, "mean")
-    scores, density = scorer.prefix_scores(q, k, lengths)
+    scores, density = scorer.prefix_scores(EX, q, k, lengths)
     chex.assert_shape(scores, (1, K, T))
     chex.assert_shape(density, (1, T))
     prefix, window = selection.regions(lengths, T, 8)
     assert int(prefix.sum()) == T - 11 and int(window.sum()) == 8
-    full = scorer.scores(q, k, lengths)
+    full = scorer.scores(EX, q, k, lengths)
     chex.assert_trees_all_close(scores, jnp.where(prefix[:, None], full, 0.0), rtol=1e-5,
                                 atol=1e-7)
     # The window scores above every prefix token; padding -inf.
@@ -298,7 +301,7 @@ class TestBudgets:
       policy = policies.get(name)
       r = kvjax.generate(smollm2_lm, [ids], policy=policy, budget=budget, max_new_tokens=4,
                          stop_ids=[], pad_multiple=16)
-      budgets = policy.layer_budgets(budget, 400, cfg.num_layers)
+      budgets = testing.layout_for(policy, budget, 400, num_layers=cfg.num_layers).budgets
       grow = 0 if policy.evicts_during_decode else 4
       slots = sum(round_up(b + grow, 16) for b in budgets)
       assert r.stats.kv_bytes == slots * per_slot, name

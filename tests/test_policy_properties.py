@@ -2,7 +2,7 @@
 
 Hypothesis draws prompts (random q, k, v, lengths and tokens) at small, fixed
 shapes and runs every policy of a fixed menu on each (so each policy compiles
-once), checking what ``policy.select(budget, layer_budgets)`` returns, in both
+once), checking what ``policy.select(ex, layout)`` returns, in both
 layers (PyramidKV's budgets differ per layer):
 
   - slots are dense: a head's kept tokens fill slots 0..n-1 in their original
@@ -35,7 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvjax import execution
 from kvjax import policies
+from kvjax import testing
 from kvjax.cache import Prompt
 from kvjax.policies import selection
 
@@ -45,6 +47,7 @@ SETTINGS = hypothesis.settings(max_examples=EXAMPLES, deadline=None, derandomize
                                suppress_health_check=[hypothesis.HealthCheck.too_slow])
 
 B, T, K, G, H, L = 3, 16, 2, 2, 8, 2
+EX = execution.Execution()
 DELIMITER = 1  # sentencekv's sentence end; tokens are drawn from [0, 4)
 
 # (name, fields, budget): small windows so the budget leaves room for scored tokens.
@@ -66,19 +69,23 @@ KEY_SCORED = ("snapkv", "pyramidkv", "knorm", "h2o", "chunkkv", "sentencekv")
 def _policy(i):
   name, fields, budget = MENU[i]
   policy = policies.get(name, **fields)
-  return policy, budget, policy.layer_budgets(budget, T, L)
+  return policy, budget, _layout(policy, budget).budgets
+
+
+def _layout(policy, budget):
+  return testing.layout_for(policy, budget, T, num_layers=L, num_kv_heads=K)
 
 
 def _select(i, layer, prompt, q, k, v):
   """(slots [B, K, T], scores or None) as numpy, through one compiled program per policy."""
-  policy, budget, budgets = _policy(i)
-  slots, scores = _compiled_select(policy, budget, budgets, layer, prompt, q, k, v)
+  policy, budget, _ = _policy(i)
+  slots, scores = _compiled_select(policy, _layout(policy, budget), layer, prompt, q, k, v)
   return np.asarray(slots), scores
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _compiled_select(policy, budget, budgets, layer, prompt, q, k, v):
-  return policy.select(budget, budgets)(layer, prompt, q, k, v)
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _compiled_select(policy, layout, layer, prompt, q, k, v):
+  return policy.select(EX, layout)(layer, prompt, q, k, v)
 
 
 def forced(name, fields, budget, length):
@@ -274,9 +281,9 @@ def test_h2o_decode_eviction_evicts_a_nan_score_first():
   cache = cache.write(0, kv, kv, jnp.arange(6)[None, None], jnp.arange(6)[None], scores)
   cache = cache.set_lengths(0, jnp.array([[6]]))
   h2o = policies.get("h2o", recent=2)  # positions 4 and 5 are recent for position 6
-  np.testing.assert_array_equal(h2o.evict_slot(cache, jnp.array([6])), [[[2]]])
+  np.testing.assert_array_equal(h2o.evict_slot(EX, cache, jnp.array([6])), [[[2]]])
   clean = cache.replace(scores=jnp.where(jnp.isnan(cache.scores), 1.0, cache.scores))
-  np.testing.assert_array_equal(h2o.evict_slot(clean, jnp.array([6])), [[[1]]])
+  np.testing.assert_array_equal(h2o.evict_slot(EX, clean, jnp.array([6])), [[[1]]])
 
 
 @pytest.mark.parametrize("i", range(len(MENU)))

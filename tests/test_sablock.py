@@ -6,12 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvjax import execution
 from kvjax import policies
 from kvjax import testing
 from kvjax.cache import Prompt
 from kvjax.policies import selection
 
 DELIM = 1  # the delimiter token of the hand-made prompts
+EX = execution.Execution()
 
 
 def _prompt(tokens, length=None):
@@ -27,7 +29,7 @@ def test_segments_fall_on_punctuation_of_real_text(smollm2_lm):
   text = ("The cat sat on the mat, and the dog barked loudly at it. Then it rained; "
           "everyone left!\nA new line starts here: the end is near. 我喜欢猫。好的 and a few more words")
   ids = tok.encode(text)
-  seg = np.asarray(policy.segments(jnp.asarray([ids]), jnp.asarray([len(ids)])))[0]
+  seg = np.asarray(policy.segments(EX, jnp.asarray([ids]), jnp.asarray([len(ids)])))[0]
   region = len(ids) - policy.window
   ends = [i for i in range(region - 1) if seg[i + 1] != seg[i]]
   ends_text = [tok.decode([ids[i]]) for i in ends]
@@ -38,7 +40,7 @@ def test_segments_fall_on_punctuation_of_real_text(smollm2_lm):
   assert ends == punct
   # min / max segment lengths are honoured.
   coarse = policies.get("sablock", window=4, min_segment=12, max_segment=16).bind(tok)
-  seg = np.asarray(coarse.segments(jnp.asarray([ids]), jnp.asarray([len(ids)])))[0][:region]
+  seg = np.asarray(coarse.segments(EX, jnp.asarray([ids]), jnp.asarray([len(ids)])))[0][:region]
   counts = np.bincount(seg)
   assert counts.max() <= 16 and (counts[:-1] >= 12).all()
 
@@ -55,7 +57,7 @@ def _one_segment_inputs(peaks, seg_len=16, window=4, k=2):
 
 
 def _plan(policy, scores, prompt, budget):
-  return policy.plan(scores, prompt, budget, budget)
+  return policy.plan(EX, scores, prompt, budget, budget)
 
 
 def test_search_picks_single_tokens_under_a_tight_budget():
@@ -160,7 +162,8 @@ def _random_inputs(seed, t=96, kh=2, g=3, h=8):
 @pytest.mark.parametrize("budget", [12, 40, 90])
 def test_exactly_the_budget_per_head_and_one_compile_per_budget(budget):
   policy = policies.get("sablock", window=8, delimiter_ids=(DELIM,))
-  select = jax.jit(lambda q, k, prompt: policy.select(budget, (budget,))(0, prompt, q, k, k)[0])
+  layout = testing.layout_for(policy, budget, 96)
+  select = jax.jit(lambda q, k, prompt: policy.select(EX, layout)(0, prompt, q, k, k)[0])
   inputs = [_random_inputs(seed) for seed in range(2)]
   with testing.count_compilations() as n:
     outs = [select(*x) for x in inputs]
@@ -173,7 +176,8 @@ def test_exactly_the_budget_per_head_and_one_compile_per_budget(budget):
 def test_needs_delimiters_and_checks_fields():
   q, k, prompt = _random_inputs(0)
   with pytest.raises(ValueError, match="needs delimiter_ids"):
-    policies.get("sablock").select(20, (20,))(0, prompt, q, k, k)
+    sablock = policies.get("sablock")
+    sablock.select(EX, testing.layout_for(sablock, 20, 96))(0, prompt, q, k, k)
   with pytest.raises(ValueError, match="min_segment 8 exceeds max_segment 4"):
     policies.get("sablock", min_segment=8, max_segment=4)
   with pytest.raises(ValueError, match=r"epsilon must be a finite number in \[0, 1\)"):

@@ -180,7 +180,7 @@ _PLATFORMS = [("cuda", platform.GPU, "triton"), ("tpu", platform.TPU, "tpu_custo
 
 
 def _lowered_text(fn, shapes, plat, form):
-  with mock.patch.object(platform, "lowering", lambda interpret: form):
+  with mock.patch.object(platform, "lowering", lambda interpret, target=None: form):
     return jax.jit(fn).trace(*shapes).lower(lowering_platforms=(plat,)).as_text()
 
 

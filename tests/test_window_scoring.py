@@ -15,6 +15,7 @@ from absl.testing import parameterized
 from jax.experimental.pallas import tpu as pltpu
 
 from kvjax import backend as backend_lib
+from kvjax import execution
 from kvjax import testing
 from kvjax.kernels import platform
 from kvjax.kernels.window_scoring import WindowScoringBlockSizes
@@ -163,7 +164,7 @@ class WindowScoresKernelTest(parameterized.TestCase):
     for how in ("mean", "max"):
       fn = functools.partial(window_scores.__wrapped__, window=32, pool=5, group=how,
                              return_norms=True, block_sizes=WindowScoringBlockSizes(256))
-      with mock.patch.object(platform, "lowering", lambda interpret: form):
+      with mock.patch.object(platform, "lowering", lambda interpret, target=None: form):
         lowered = jax.jit(lambda q, k, l: fn(q, k, l, v=k)).trace(*shapes).lower(
             lowering_platforms=(plat,))
       self.assertIn(marker, lowered.as_text())
@@ -238,19 +239,21 @@ class BackendTest(absltest.TestCase):
     self.assertEqual(backend_lib.current(), "xla")
     with backend_lib.use("pallas"):
       self.assertEqual(backend_lib.current(), "pallas")
-      self.assertIs(backend_lib.get("window_scores"), backend_lib._OPS["window_scores"]["pallas"])
+      self.assertIs(backend_lib.get("window_scores").func,
+                    backend_lib._OPS["window_scores"]["pallas"])
+      self.assertEqual(execution.ambient().choice("window_scores"), "pallas")
     self.assertEqual(backend_lib.current(), "xla")
     self.assertIs(backend_lib.get("window_scores"), window_scores_reference)
 
   def test_policy_scores_through_the_pallas_kernel(self):
     q, k, _ = _inputs(5, b=2, t=48, kh=3, g=3, h=64, dtype=jnp.float32)
     lengths = jnp.array([48, 30], jnp.int32)
-    xla = scoring.snapkv_scores(q, k, lengths, window=8, kernel=5)
-    norms_xla = scoring.key_norm_scores(k)
-    with backend_lib.use("pallas"):
-      with mock.patch.object(backend_lib, "window_scores", wraps=window_scores) as spy:
-        pallas = scoring.snapkv_scores(q, k, lengths, window=8, kernel=5)
-      norms_pallas = scoring.key_norm_scores(k)
+    xla, ex = execution.create("xla"), execution.create("pallas")
+    norms_xla = scoring.key_norm_scores(xla, k)
+    xla = scoring.snapkv_scores(xla, q, k, lengths, window=8, kernel=5)
+    with mock.patch.object(backend_lib, "window_scores", wraps=window_scores) as spy:
+      pallas = scoring.snapkv_scores(ex, q, k, lengths, window=8, kernel=5)
+    norms_pallas = scoring.key_norm_scores(ex, k)
     spy.assert_called_once()
     finite = np.isfinite(np.asarray(xla))
     np.testing.assert_array_equal(finite, np.isfinite(np.asarray(pallas)))

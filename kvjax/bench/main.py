@@ -92,12 +92,15 @@ flags.DEFINE_enum("preset", None, ["accelerator"],
                   "accelerator: kernel bytes/s, decode ms/step, throughput, prefill and "
                   "pallas-vs-xla tokens on the random Llama-3.2-1B shape against the chip's "
                   "floor (kvjax/bench/accelerator/); of the other flags it reads only "
-                  "--out, --scale, --sections and --[no]scan_layers (when given; else the "
-                  "device's default layout).")
+                  "--out, --scale, --sections, --config and --[no]scan_layers (when given; "
+                  "else the device's default layout).")
 flags.DEFINE_enum("scale", "auto", ["auto", "full", "small"],
                   "With --preset: full sizes, or toy ones (a plumbing check); auto: small "
                   "on CPU, full on a GPU/TPU.")
 flags.DEFINE_list("sections", list(accelerator.SECTIONS), "With --preset: the sections to run.")
+flags.DEFINE_string("config", None, "With --preset: a config file (get_config(), as in configs/) "
+                    "whose model shape the decode, throughput and prefill sections use "
+                    "instead of the shipped Llama-3.2-1B one.")
 flags.DEFINE_string("child", None, "Internal: run one configuration (JSON) and print its row.")
 
 # What --help lists, by group.
@@ -107,7 +110,7 @@ HELP_GROUPS = (
                             "prefill_chunk", "window")),
     ("measuring", ("repeats", "isolate", "compilation_cache")),
     ("output", ("out",)),
-    ("accelerator preset", ("preset", "scale", "sections")),
+    ("accelerator preset", ("preset", "scale", "sections", "config")),
 )
 _ROW = "KVJAX_BENCH_ROW "
 # Rows of a run in progress; replaces results.jsonl when the run completes.
@@ -249,8 +252,11 @@ def _preset() -> None:
     cli.fail(f"--sections: unknown {unknown}; known: {','.join(accelerator.SECTIONS)}")
   out = FLAGS.out if FLAGS["out"].present else "results/accelerator"
   cli.check_out_folder(out)
+  if FLAGS.config is not None and not os.path.isfile(FLAGS.config):
+    cli.fail(f"--config: no file {FLAGS.config}")
   accelerator.run(out, scale=FLAGS.scale, sections=FLAGS.sections,
-                  scan_layers=FLAGS.scan_layers if FLAGS["scan_layers"].present else None)
+                  scan_layers=FLAGS.scan_layers if FLAGS["scan_layers"].present else None,
+                  config=FLAGS.config)
   print(f"rows and summary.md in {out}")
 
 

@@ -12,9 +12,9 @@ weights
 
 cache
   The ``PagedKVCache`` the run allocates, sized exactly as the run sizes it.
-  Each layer l has a capacity C_l per KV head: ``policy.capacity(budget,
-  prompt_len=T, extra_tokens=0, max_new_tokens=steps + 1, page_size)`` (the
-  full cache: T + steps + 1 rounded up to a page), where T is the context
+  Each layer l has a capacity C_l per KV head: ``policy.layout(budget,
+  prompt_len=T, extra_tokens=0, max_new_tokens=steps + 1, page_size, ...)``'s
+  (the full cache: T + steps + 1 rounded up to a page), where T is the context
   length for a synthetic fill and, for a prompt, its token count rounded up
   to the prefill chunk or to generate's pad multiple (64); with a prefill
   chunk each capacity is at most round_up(T + steps + 1, S_page). Then
@@ -83,11 +83,23 @@ def prompt_len(tokens: int, prefill_chunk: int) -> int:
 
 
 def cache_capacity(policy, *, budget: int | None, prompt_len: int, new_tokens: int,
-                   page_size: int, num_layers: int, prefill_chunk: int = 0) -> tuple[int, ...]:
-  """C_l: slots per KV head of each layer, as generate's plan (and the synthetic fill) sets them."""
-  capacity = policy.capacity(budget=budget, prompt_len=prompt_len, extra_tokens=0,
-                             max_new_tokens=new_tokens, page_size=page_size,
-                             num_layers=num_layers)
+                   page_size: int, num_layers: int, num_kv_heads: int = 1,
+                   prefill_chunk: int = 0) -> tuple[int, ...]:
+  """C_l: slots per KV head of each layer, as generate's plan (and the synthetic fill) sets them.
+
+  Every layer is sized as a global one (the bench's cache has no rings).
+
+  Raises:
+    ValueError: a policy whose KV heads differ in size (AdaKV, Duo).
+  """
+  layout = policy.layout(budget, prompt_len=prompt_len, extra_tokens=0,
+                         max_new_tokens=new_tokens, page_size=page_size,
+                         num_kv_heads=num_kv_heads, windows=(0,) * num_layers)
+  if layout.per_head:
+    raise ValueError(f"policy {policy.name!r} gives its KV heads sizes of their own "
+                     "(a per-head layout): kvjax.generate and the eval run it; the "
+                     "benchmark's cache, one size per layer, does not")
+  capacity = layout.capacity
   if prefill_chunk:
     whole = round_up(prompt_len + new_tokens, page_size)
     capacity = tuple(min(c, whole) for c in capacity)
@@ -138,7 +150,7 @@ def estimate(config, *, weights: int, itemsize: int, policy, budget: int | None,
     t, chunk = context_length, 0
   capacity = cache_capacity(policy, budget=budget, prompt_len=t, new_tokens=new_tokens,
                             page_size=page_size, num_layers=config.num_layers,
-                            prefill_chunk=chunk)
+                            num_kv_heads=config.num_kv_heads, prefill_chunk=chunk)
   cache, kv = cache_bytes(config, capacity, batch_size=batch_size, page_size=page_size,
                           itemsize=itemsize)
   widest = max(capacity)

@@ -273,7 +273,13 @@ def _prompt_run(lm, cfg: BenchConfig, policy) -> dict:
 def cache_budgets(lm, cfg: BenchConfig, policy) -> tuple[int, ...]:
   """Entries per layer ``policy`` keeps of a ``context_length`` prompt (all of it for full)."""
   n, num_layers = cfg.context_length, lm.config.num_layers
-  budgets = policy.layer_budgets(cfg.budget, n, num_layers) if cfg.budget else (n,) * num_layers
+  if not cfg.budget:
+    return (n,) * num_layers
+  # Every layer sized as a global one: the bench's cache has no rings.
+  budgets = policy.layout(cfg.budget, prompt_len=n, extra_tokens=0,
+                          max_new_tokens=new_tokens(cfg), page_size=cfg.page_size,
+                          num_kv_heads=lm.config.num_kv_heads,
+                          windows=(0,) * num_layers).budgets
   return tuple(min(b, n) for b in budgets)
 
 
@@ -292,7 +298,7 @@ def synthetic_cache(lm, cfg: BenchConfig, policy, seed: int = 0):
   budgets = cache_budgets(lm, cfg, policy)
   capacity = memory.cache_capacity(policy, budget=cfg.budget, prompt_len=n,
                                    new_tokens=new_tokens(cfg), page_size=cfg.page_size,
-                                   num_layers=c.num_layers)
+                                   num_layers=c.num_layers, num_kv_heads=c.num_kv_heads)
   cache = PagedKVCache.create(batch_size=cfg.batch_size, capacity=capacity,
                               num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
                               head_dim=c.head_dim, page_size=cfg.page_size, dtype=lm.dtype)
@@ -327,8 +333,8 @@ def _fill(cache, budgets, n: int, t: int, key):
 def synthetic_decode(lm, cfg: BenchConfig, policy) -> dict:
   """Times the decode loop on synthetic caches: the best of ``repeats`` runs after a warm-up.
 
-  ``cfg.backend`` (possibly "auto", resolved per op) is the ambient backend of
-  the decode program. Returns decode_s, steps (forward passes timed),
+  ``cfg.backend`` (possibly "auto", resolved per op) builds the decode program's
+  execution (``kvjax.execution.create``). Returns decode_s, steps (forward passes timed),
   compile_s, kv_bytes, and prefill_s / prompt_tokens None.
   """
   from kvjax import generation

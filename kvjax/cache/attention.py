@@ -2,9 +2,9 @@
 
 A Flax attention layer computes q, k, v (RoPE applied) and hands them here:
 
-  cache, out = prefill_attention(cache, layer, q, k, v, positions, lengths)
-  cache, out = decode_attention(cache, layer, q, k, v, positions)
-  cache, out = chunk_attention(cache, layer, q, k, v, positions, lengths, select=select)
+  cache, out = prefill_attention(cache, layer, q, k, v, positions, lengths, ex=ex)
+  cache, out = decode_attention(cache, layer, q, k, v, positions, ex=ex)
+  cache, out = chunk_attention(cache, layer, q, k, v, positions, lengths, select=select, ex=ex)
 
 Prefill attends causally inside the prompt (blockwise: no T x T matrix per
 head) and writes the prompt's keys and values into the cache, through an
@@ -13,6 +13,11 @@ where eviction policies plug in; the cache itself knows no policy). Decode
 appends one token per sequence and attends over the paged cache. A chunked
 prefill calls ``chunk_attention`` per chunk: attend, then compress the cached
 entries and the chunk back into the cache.
+
+``ex`` (a ``kvjax.execution.Execution``) says which implementation of each
+kernel op runs and for which platform; generate's programs always pass
+theirs. Left out (a user's own model), it is ``kvjax.execution.ambient()``:
+XLA, or what ``kvjax.backend.use`` names.
 """
 
 from __future__ import annotations
@@ -22,11 +27,10 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kvjax import backend as backend_lib
+from kvjax import execution
 from kvjax.cache.paged import EMPTY, PagedKVCache, check_array, layer_window
 from kvjax.kernels import causal_attention as causal_attention_lib
 from kvjax.kernels.paged_attention import gather_pages
-from kvjax.sharding import collectives
 
 
 class Prompt(NamedTuple):
@@ -45,19 +49,20 @@ PREFILL_BLOCK = causal_attention_lib.PREFILL_BLOCK
 
 
 def causal_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, block: int = PREFILL_BLOCK
+    q: jax.Array, k: jax.Array, v: jax.Array, *, block: int = PREFILL_BLOCK,
+    ex: execution.Execution | None = None
 ) -> jax.Array:
   """Causal GQA attention over a right-padded prompt.
 
   q [B, T, N, H], k, v [B, T, K, H] -> [B, T, N, H].
 
-  The ambient backend's ``causal_attention`` op (``kvjax.backend``): on CPU the
+  The execution's ``causal_attention`` op (``kvjax.backend``): on CPU the
   native flash-attention kernel, elsewhere the blockwise XLA form
   (``kvjax.kernels.causal_attention.causal_attention_reference``, whose
   ``block`` sets the tiles; the native kernel has its own). Padding sits after
   each sequence's tokens, so the causal mask alone keeps valid queries clean.
   """
-  return backend_lib.get("causal_attention")(q, k, v, block=block)
+  return execution.of(ex).impl("causal_attention")(q, k, v, block=block)
 
 
 def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int) -> jax.Array:
@@ -97,7 +102,8 @@ def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int) -> ja
 
 
 def prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int = 0,
-                     local: bool | jax.Array = False, block: int = PREFILL_BLOCK) -> jax.Array:
+                     local: bool | jax.Array = False, block: int = PREFILL_BLOCK,
+                     ex: execution.Execution | None = None) -> jax.Array:
   """A prompt's causal attention, limited to each query's last ``window`` positions
   where ``local`` holds (a Python bool, or a traced one: a scanned layer's).
 
@@ -105,7 +111,7 @@ def prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int = 
   ``local_attention`` on local layers when the prompt is longer than the window.
   """
   def full(q, k, v):
-    return causal_attention(q, k, v, block=block).astype(q.dtype)
+    return causal_attention(q, k, v, block=block, ex=ex).astype(q.dtype)
 
   def windowed(q, k, v):
     return local_attention(q, k, v, window)
@@ -158,6 +164,7 @@ def prefill_attention(
     tokens: jax.Array | None = None,
     select: SelectFn = _keep_all_select,
     block: int = PREFILL_BLOCK,
+    ex: execution.Execution | None = None,
 ) -> tuple[PagedKVCache, jax.Array]:
   """Attends over a prompt and stores what ``select`` keeps.
 
@@ -195,7 +202,7 @@ def prefill_attention(
         f"capacity of at least {t} per head, the smallest is {smallest}; pass a "
         f"select function that keeps fewer, or a larger capacity")
   out = prompt_attention(q, k, v, window=cache.ring_window, local=cache.is_ring(layer),
-                         block=block)
+                         block=block, ex=ex)
   return store_prompt(cache, layer, Prompt(tokens, positions, lengths), q, k, v, select), out
 
 
@@ -398,6 +405,7 @@ def chunk_attention(
     lengths: jax.Array,
     *,
     select: SelectFn = _keep_all_select,
+    ex: execution.Execution | None = None,
 ) -> tuple[PagedKVCache, jax.Array]:
   """One chunk of a chunked prefill: attend to the cache and the chunk, then compress.
 
@@ -424,30 +432,55 @@ def chunk_attention(
     q: [B, C, N, H]; k, v: [B, C, K, H]; positions: [B, C] int32.
     lengths: [B] int32 valid chunk tokens (0: the sequence has ended; its
       heads are left as they are).
-    select: the policy's prefill keep rule (``Policy.select``).
+    select: the policy's prefill keep rule (``Policy.select``), built for an
+      execution whose reductions are local (``Execution.local``): it sees
+      each (sequence, KV head) as a one-head sequence of its own.
 
   Returns:
     (cache with each head compressed over its entries and the chunk, out [B, C, N, H]).
   """
   _check_qkv(cache, q, k, v, positions)
   check_array("lengths", lengths, "[B]", (q.shape[0],), "int")
-  b, c, n, h = q.shape
-  kh = k.shape[2]
-  ps = cache.page_size
   table, cached = cache.layer_view(layer)
-  s = table.shape[-1] * ps
   stored = [gather_pages(pool, table) for pool in  # [B, K, S, ...]
             (cache.k_pages, cache.v_pages, cache.positions, cache.scores)]
   ring, w = cache.is_ring(layer), cache.ring_window
   window = (jnp.where(ring, w, 0), stored[2], positions) if w else None
   out = _attend_cached_and_chunk(q, k, v, stored[0], stored[1], cached, window)
 
-  # The union [B, K, U]: slots below `cached` hold the head's entries, the next
-  # `lengths` slots the chunk's tokens (an index into [stored, chunk]).
+  entries = _union(stored, k, v, positions, cached)
+  keep = _select_union(layer, select, q, entries, cached, lengths)
+  if not w:
+    return cache.store_kept(layer, keep, entries, ex=ex), out
+  # A ring keeps its entries where they are and takes the chunk's last W tokens
+  # at their positions' slots, over the entries that leave the window.
+  keep = jnp.where(ring, jnp.arange(keep.shape[-1]) < cached[..., None], keep)
+  cache = cache.store_kept(layer, keep, entries, ex=ex)
+  _, kept_lengths = cache.layer_view(layer)
+  total = cached + lengths[:, None]
+  cache = cache.set_lengths(layer, jnp.where(ring, jnp.minimum(total, w), kept_lengths))
+  cache = cache.reserve(cache.lengths)
+  ring_slots = _ring_slots(positions, lengths, w, k.shape[2])
+  return cache.write(layer, k, v, jnp.where(ring, ring_slots, EMPTY), positions), out
+
+
+def _union(stored, k, v, positions, cached) -> tuple[jax.Array, ...]:
+  """Each head's cached entries followed by the chunk's tokens, densely.
+
+  Args:
+    stored: (keys, values [B, K, S, H], positions, scores [B, K, S]) as read.
+    k, v: [B, C, K, H] the chunk's; positions: [B, C]; cached: [B, K] entries held.
+
+  Returns:
+    (keys, values [B, K, U, H], positions, scores [B, K, U]), U = S + C: slots
+    below ``cached`` hold the head's entries, the next ones the chunk's tokens.
+  """
+  b, c, kh, _ = k.shape
+  s = stored[0].shape[2]
   u = s + c
   slot = jnp.arange(u)
   src = jnp.where(slot < cached[..., None], slot, s + slot - cached[..., None])
-  src = jnp.clip(src, 0, u - 1)
+  src = jnp.clip(src, 0, u - 1)  # an index into [stored, chunk]
   chunk = (jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2),
            jnp.broadcast_to(positions[:, None, :], (b, kh, c)), jnp.zeros((b, kh, c)))
 
@@ -455,12 +488,23 @@ def chunk_attention(
     both = jnp.concatenate([x, y.astype(x.dtype)], axis=2)
     return jnp.take_along_axis(both, src.reshape(src.shape + (1,) * (both.ndim - 3)), axis=2)
 
-  union_k, union_v, union_pos, union_scores = map(union, stored, chunk)
+  return tuple(map(union, stored, chunk))
+
+
+def _select_union(layer, select: SelectFn, q, entries, cached, lengths) -> jax.Array:
+  """bool [B, K, U]: the entries of each head's union (``_union``) that ``select`` keeps.
+
+  ``select`` sees each (sequence, KV head) as a one-head prompt of U slots,
+  the chunk's queries q [B, C, N, H] on the chunk's slots and zeros elsewhere.
+  """
+  union_k, union_v, union_pos, _ = entries
+  b, c, n, h = q.shape
+  kh, u = union_k.shape[1], union_k.shape[2]
+  slot = jnp.arange(u)
   total = cached + lengths[:, None]  # [B, K]
-  # The chunk's queries of group k sit on the chunk's slots of the union, zero
-  # elsewhere. Gathered rather than scattered into zeros: XLA fuses the gather
-  # into the policy's reads (a window's rows), and the [B*K, U, G, H] array is
-  # not materialized (twice, with the scatter's transposed copy: 2 x 3.4 MiB of
+  # Gathered rather than scattered into zeros: XLA fuses the gather into the
+  # policy's reads (a window's rows), and the [B*K, U, G, H] array is not
+  # materialized (twice, with the scatter's transposed copy: 2 x 3.4 MiB of
   # scratch for SmolLM2 at budget 1024).
   qg = jnp.swapaxes(q.reshape(b, c, kh, n // kh, h), 1, 2)  # [B, K, C, G, H]
   q_index = slot - cached[..., None]  # [B, K, U]: the chunk token on each slot
@@ -469,23 +513,11 @@ def chunk_attention(
   dense_q = jnp.where(on_chunk[..., None, None], dense_q, 0).reshape(b * kh, u, n // kh, h)
   head_lengths = total.reshape(b * kh)
   slot_pos = jnp.where(slot < head_lengths[:, None], union_pos.reshape(b * kh, u), 0)
-  with collectives.local():  # each row is one head: nothing to reduce across devices
-    kept, _ = select(layer, Prompt(None, slot_pos, head_lengths),
-                     dense_q, union_k.reshape(b * kh, u, 1, h), union_v.reshape(b * kh, u, 1, h))
+  kept, _ = select(layer, Prompt(None, slot_pos, head_lengths),
+                   dense_q, union_k.reshape(b * kh, u, 1, h), union_v.reshape(b * kh, u, 1, h))
   keep = (kept[:, 0] >= 0).reshape(b, kh, u) & (slot < total[..., None])
   # A sequence without new tokens keeps everything (its heads did not change).
-  keep = jnp.where((lengths > 0)[:, None, None], keep, slot < cached[..., None])
-  if not w:
-    return cache.store_kept(layer, keep, (union_k, union_v, union_pos, union_scores)), out
-  # A ring keeps its entries where they are and takes the chunk's last W tokens
-  # at their positions' slots, over the entries that leave the window.
-  keep = jnp.where(ring, slot < cached[..., None], keep)
-  cache = cache.store_kept(layer, keep, (union_k, union_v, union_pos, union_scores))
-  _, kept_lengths = cache.layer_view(layer)
-  cache = cache.set_lengths(layer, jnp.where(ring, jnp.minimum(total, w), kept_lengths))
-  cache = cache.reserve(cache.lengths)
-  ring_slots = _ring_slots(positions, lengths, w, kh)
-  return cache.write(layer, k, v, jnp.where(ring, ring_slots, EMPTY), positions), out
+  return jnp.where((lengths > 0)[:, None, None], keep, slot < cached[..., None])
 
 
 def decode_attention(
@@ -498,11 +530,11 @@ def decode_attention(
     *,
     accumulate: bool = False,
     slots: jax.Array | None = None,
+    ex: execution.Execution | None = None,
 ) -> tuple[PagedKVCache, jax.Array]:
   """Appends one token per sequence, then attends over the layer's pages.
 
-  The attention is the ambient backend's ``paged_attention`` op
-  (``kvjax.backend.use``; "auto" resolves per op when the program is traced).
+  The attention is the execution's ``paged_attention`` op.
 
   Args:
     q: [B, 1, N, H]; k, v: [B, 1, K, H]; positions: [B, 1] int32.
@@ -521,7 +553,7 @@ def decode_attention(
   else:
     cache = cache.write_token(layer, k, v, slots)
   table, lengths = cache.layer_view(layer)
-  attend = backend_lib.get("paged_attention")
+  attend = execution.of(ex).impl("paged_attention")
   if not accumulate:
     out = attend(q[:, 0], cache.k_pages, cache.v_pages, table, lengths)
     return cache, out[:, None]

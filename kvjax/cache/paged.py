@@ -15,12 +15,15 @@ it needs no mask, since it holds exactly the keys a query may see.
 
 Every shape depends only on static Python ints (batch, capacities, page size),
 so jitted prefill and decode compile once per configuration.
+
+This module allocates pages and writes tokens; the evictions' bodies are in
+``kvjax.cache.eviction``, the shape checks and capacity helpers in
+``kvjax.cache.shapes`` (their names are importable from here too).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from typing import Sequence
 
 import jax
@@ -28,13 +31,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax import backend as backend_lib
-from kvjax.kernels.compaction import canonical_keep
-
-EMPTY = -1  # page id of an absent page, original position of an empty slot
-# What an eviction leaves in the slots a head gives up on its last page: keys and
-# values as they were (nothing reads past a head's length), no position, no score.
-_FILLS = (None, None, EMPTY, 0.0)
+from kvjax import execution
+from kvjax.cache import eviction
+# EMPTY, the checks and round_up are also imported from here by other modules.
+from kvjax.cache.shapes import EMPTY
+from kvjax.cache.shapes import capacity_table as _capacity_table
+from kvjax.cache.shapes import check_array
+from kvjax.cache.shapes import check_layer
+from kvjax.cache.shapes import check_windows
+from kvjax.cache.shapes import layer_window
+from kvjax.cache.shapes import pages_owned
+from kvjax.cache.shapes import round_up
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
@@ -111,6 +118,7 @@ class PagedKVCache:
       dtype=jnp.float32,
       pages_per_sequence: int | None = None,
       windows: Sequence[int] | None = None,
+      num_pages: int | None = None,
   ) -> "PagedKVCache":
     """An empty cache.
 
@@ -129,6 +137,9 @@ class PagedKVCache:
       windows: None, or per layer the window W of a ring layer (0: not a ring).
         Every ring has the same W, a multiple of ``page_size``; a ring layer's
         capacity is at most W (less suits a run that never reaches W tokens).
+      num_pages: the pool's pages in all, shared by every sequence (a serving
+        engine's pool, sized in bytes, not batch x capacity); the caller
+        admits no more than it holds. None: ``batch_size x pages_per_sequence``.
     """
     if not isinstance(page_size, int) or page_size <= 0:
       raise ValueError(f"page_size must be a positive int, got {page_size!r}")
@@ -150,7 +161,11 @@ class PagedKVCache:
           or not p_max <= pages_per_sequence <= needed):
       raise ValueError(f"pages_per_sequence must be an int in [{p_max}, {needed}] (a head's "
                        f"pages, every head's), got {pages_per_sequence!r}")
-    num_pages = batch_size * pages_per_sequence
+    if num_pages is None:
+      num_pages = batch_size * pages_per_sequence
+    elif not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages < p_max:
+      raise ValueError(f"num_pages must be an int >= {p_max} (one head's pages), "
+                       f"got {num_pages!r}")
     arrays = _empty_arrays(num_pages, page_size, head_dim, jnp.dtype(dtype),
                            (batch_size, num_layers, num_kv_heads, p_max))
     return cls(**arrays, page_size=page_size, capacity=cap, windows=windows)
@@ -207,7 +222,7 @@ class PagedKVCache:
     check_array("new_lengths", new_lengths, "[B, L, K]", self.lengths.shape, "int")
     ps = self.page_size
     cap = self.capacity_array()[None]  # [1, L, K]
-    have = _pages_owned(self.page_table)  # [B, L, K]
+    have = pages_owned(self.page_table)  # [B, L, K]
     want = jnp.maximum((jnp.minimum(new_lengths, cap) + ps - 1) // ps, have)
     j = jnp.arange(self.page_table.shape[-1])
     grow = (j >= have[..., None]) & (j < want[..., None])  # [B, L, K, P_max]
@@ -288,7 +303,7 @@ class PagedKVCache:
       scores: optional [B, K, T] float32 per-slot statistics to store (else 0).
     """
     b, kh, h = self.batch_size, self.num_kv_heads, self.k_pages.shape[-1]
-    _check_layer(layer, self.num_layers)
+    check_layer(layer, self.num_layers)
     check_array("k", k, "[B, T, K, H]", (b, None, kh, h), "float")
     t = jnp.shape(k)[1]
     check_array("v", v, "[B, T, K, H]", (b, t, kh, h), "float")
@@ -332,7 +347,7 @@ class PagedKVCache:
       stores it at slot position % W, over the entry that leaves the window.
     """
     b, kh, h = self.batch_size, self.num_kv_heads, self.k_pages.shape[-1]
-    _check_layer(layer, self.num_layers)
+    check_layer(layer, self.num_layers)
     check_array("k", k, "[B, 1, K, H]", (b, 1, kh, h), "float")
     check_array("v", v, "[B, 1, K, H]", (b, 1, kh, h), "float")
     check_array("positions", positions, "[B, 1]", (b, 1), "int")
@@ -351,7 +366,8 @@ class PagedKVCache:
     return out.replace(lengths=out.lengths.at[:, layer].set(
         jnp.where(fits, new_lengths, lengths)))
 
-  def open_token_slots(self, positions: jax.Array) -> tuple["PagedKVCache", jax.Array]:
+  def open_token_slots(self, positions: jax.Array, active: jax.Array | None = None
+                       ) -> tuple["PagedKVCache", jax.Array]:
     """Makes room for one new token per sequence in every (layer, KV head) at once.
 
     A decode step's bookkeeping in one pass, before the forward: a page where a
@@ -367,6 +383,8 @@ class PagedKVCache:
 
     Args:
       positions: [B] int32 the token's original position.
+      active: bool [B], the sequences that take a token (None: all); the
+        others are left as they are (a serving engine's empty slots).
 
     Returns:
       (cache, slots [B, L, K] int32: the token's slot in the pool, page id *
@@ -379,6 +397,8 @@ class PagedKVCache:
     ring = jnp.asarray(self.windows)[None, :, None] if self.ring_window else None  # [1, L, 1]
     slot, fits, new_lengths = _next_slots(lengths, positions[:, None, None],
                                           self.capacity_array()[None], ring)  # [B, L, K]
+    if active is not None:
+      fits = fits & active[:, None, None]
     index = jnp.minimum(slot // ps, p_max - 1)[..., None]
     offset = slot % ps
     page = jnp.take_along_axis(self.page_table, index, -1)[..., 0]  # [B, L, K]
@@ -407,7 +427,7 @@ class PagedKVCache:
       k, v: [B, 1, K, H]; slots: [B, K] int32 pool slots (-1 = drop).
     """
     b, kh, h = self.batch_size, self.num_kv_heads, self.k_pages.shape[-1]
-    _check_layer(layer, self.num_layers)
+    check_layer(layer, self.num_layers)
     check_array("k", k, "[B, 1, K, H]", (b, 1, kh, h), "float")
     check_array("v", v, "[B, 1, K, H]", (b, 1, kh, h), "float")
     check_array("slots", slots, "[B, K]", (b, kh), "int")
@@ -419,28 +439,26 @@ class PagedKVCache:
         v_pages=self.v_pages.at[page, offset].set(v[:, 0].astype(self.v_pages.dtype), mode="drop"))
 
   # ---------------------------------------------------------------- eviction
-  # Every eviction is one call of the backend's ``compact_slots`` op (the Pallas
+  # Every eviction is one call of the execution's ``compact_slots`` op (the Pallas
   # kernel, or its jnp reference): kept entries move to their head's first
-  # slots, the head's pages past them go back on the free stack.
+  # slots, the head's pages past them go back on the free stack. The bodies
+  # live in ``kvjax.cache.eviction``.
 
-  def remove(self, slots: jax.Array) -> "PagedKVCache":
+  def remove(self, slots: jax.Array, *, ex: execution.Execution | None = None
+             ) -> "PagedKVCache":
     """Evicts one slot per head, [B, L, K] (-1 = none), keeping slots dense.
 
     The head's last filled slot moves into the evicted one (order inside a head
     carries no meaning: each slot records its original position), so the head
     holds one entry fewer and its next append lands at the end; a page left
     empty goes back on the free stack. Slots outside [0, length) are ignored.
+    ``ex``: the execution whose ``compact_slots`` moves the entries (every
+    eviction takes one; None: ``kvjax.execution.ambient()``, for a user's own code).
     """
-    check_array("slots", slots, "[B, L, K]", self.lengths.shape, "int")
-    last = self.lengths - 1
-    evict = (slots >= 0) & (slots <= last)
-    new_lengths = self.lengths - evict.astype(jnp.int32)
-    # Evicting the last slot itself moves nothing: start = the new length.
-    start = jnp.where(evict, slots, new_lengths)
-    return self._compact(None, self.page_table, self.lengths, new_lengths,
-                         jnp.maximum(last, 0)[..., None], start)
+    return eviction.remove(self, slots, ex=ex)
 
-  def drop_pages(self, index: jax.Array) -> "PagedKVCache":
+  def drop_pages(self, index: jax.Array, *, ex: execution.Execution | None = None
+                 ) -> "PagedKVCache":
     """Evicts one whole page per head, [B, L, K] page index within the head (-1 = none).
 
     The page leaves the head's page-table row, the later pages move one place
@@ -451,22 +469,10 @@ class PagedKVCache:
     last, whatever the last holds for it. Indices outside the pages a head
     owns are ignored.
     """
-    check_array("index", index, "[B, L, K]", self.lengths.shape, "int")
-    ps = self.page_size
-    p_max = self.page_table.shape[-1]
-    have = _pages_owned(self.page_table)[..., None]  # [B, L, K, 1]
-    drop = (index >= 0) & (index < have[..., 0])
-    at = jnp.where(drop, index, p_max)[..., None]
-    # The page moves behind the head's other pages, where the compaction frees it.
-    j = jnp.arange(p_max)
-    src = jnp.where(j < at, j, jnp.where(j < have - 1, j + 1, jnp.where(j < have, at, j)))
-    table = jnp.take_along_axis(self.page_table, jnp.minimum(src, p_max - 1), axis=-1)
-    lost = jnp.clip(self.lengths - jnp.where(drop, index, 0) * ps, 0, ps)
-    new_lengths = self.lengths - jnp.where(drop, lost, 0).astype(jnp.int32)
-    return self._compact(None, table, new_lengths, new_lengths,
-                         jnp.full(new_lengths.shape + (1,), EMPTY, jnp.int32), new_lengths)
+    return eviction.drop_pages(self, index, ex=ex)
 
-  def compact(self, layer, keep: jax.Array) -> "PagedKVCache":
+  def compact(self, layer, keep: jax.Array, *, ex: execution.Execution | None = None
+              ) -> "PagedKVCache":
     """Keeps the given slots of each head of one layer and frees the pages left over.
 
     Args:
@@ -477,16 +483,10 @@ class PagedKVCache:
     The kept entries move to slots 0 .. n - 1 in their original slot order, in
     place, and the pages past them go back on the free stack.
     """
-    _check_layer(layer, self.num_layers)
-    b, kh = self.batch_size, self.num_kv_heads
-    check_array("keep", keep, "[B, K, S_keep]", (b, kh, None), "int")
-    table, lengths = self.layer_view(layer)
-    kept, count = canonical_keep(keep.reshape(b * kh, -1), lengths.reshape(-1))
-    return self._compact(layer, table, lengths, count.reshape(b, kh),
-                         kept.reshape(b, kh, -1), jnp.zeros((b, kh), jnp.int32))
+    return eviction.compact(self, layer, keep, ex=ex)
 
-  def store_kept(self, layer, keep: jax.Array, entries: tuple[jax.Array, ...]
-                 ) -> "PagedKVCache":
+  def store_kept(self, layer, keep: jax.Array, entries: tuple[jax.Array, ...], *,
+                 ex: execution.Execution | None = None) -> "PagedKVCache":
     """Replaces each head of one layer by the entries ``keep`` marks, in order.
 
     The store from scratch of a compression: the entries (a head's cached
@@ -503,47 +503,7 @@ class PagedKVCache:
       entries: (keys [B, K, U, H], values [B, K, U, H], positions [B, K, U],
         scores [B, K, U]).
     """
-    _check_layer(layer, self.num_layers)
-    b, kh, h = self.batch_size, self.num_kv_heads, self.k_pages.shape[-1]
-    check_array("keep", keep, "[B, K, U]", (b, kh, None), "bool")
-    u = keep.shape[-1]
-    kinds = ("float", "float", "int", "float")
-    for name, x, kind, tail in zip(("keys", "values", "positions", "scores"), entries, kinds,
-                                   ((h,), (h,), (), ())):
-      check_array(name, x, "[B, K, U" + (", H]" if tail else "]"), (b, kh, u) + tail, kind)
-    # Kept entries first, in order: the entry each of the head's slots takes.
-    order = jnp.argsort(~keep, axis=-1, stable=True)[..., :self.max_slots].astype(jnp.int32)
-    _, lengths = self.layer_view(layer)
-    out = self.set_lengths(layer, keep.sum(-1, dtype=jnp.int32))
-    out = out.reserve(out.lengths)
-    table, new_lengths = out.layer_view(layer)
-    return out._compact(layer, table, lengths, new_lengths, order,
-                        jnp.zeros((b, kh), jnp.int32), sources=entries)
-
-  def _compact(self, layer, table, lengths, new_lengths, keep, start, sources=None
-               ) -> "PagedKVCache":
-    """One ``compact_slots`` call over the heads of one layer (``layer``) or of all (None).
-
-    Args:
-      table: [B, (L,) K, P_max] the heads' pages; lengths, new_lengths, start:
-        [B, (L,) K]; keep: [B, (L,) K, M]; sources: None or the pools' entries
-        [B, (L,) K, U, ...] (see ``kvjax.kernels.compaction``).
-    """
-    heads = table.shape[:-1]
-    r = math.prod(heads)
-    rows = lambda x: x.reshape((r,) + x.shape[len(heads):])
-    pools = (self.k_pages, self.v_pages, self.positions, self.scores)
-    pools, table, freed = backend_lib.get("compact_slots")(
-        pools, rows(table), rows(lengths), rows(new_lengths), rows(keep), rows(start),
-        fills=_FILLS, sources=None if sources is None else tuple(map(rows, sources)))
-    table = table.reshape(heads + (-1,))
-    new_lengths = new_lengths.astype(jnp.int32)
-    if layer is not None:
-      table = self.page_table.at[:, layer].set(table)
-      new_lengths = self.lengths.at[:, layer].set(new_lengths)
-    out = self.replace(k_pages=pools[0], v_pages=pools[1], positions=pools[2], scores=pools[3],
-                       page_table=table, lengths=new_lengths)
-    return out.release(freed.reshape(-1))
+    return eviction.store_kept(self, layer, keep, entries, ex=ex)
 
   def set_lengths(self, layer, lengths: jax.Array) -> "PagedKVCache":
     """Sets the filled slots [B, K] of one layer, clamped to [0, capacity].
@@ -551,7 +511,7 @@ class PagedKVCache:
     The clamp keeps a length from ever counting slots past a head's pages:
     attention would read them from whatever page id 0 holds (another head's).
     """
-    _check_layer(layer, self.num_layers)
+    check_layer(layer, self.num_layers)
     check_array("lengths", lengths, "[B, K]", (self.batch_size, self.num_kv_heads), "int")
     cap = self.capacity_array()[layer][None]  # [1, K]
     clamped = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, cap)
@@ -591,108 +551,3 @@ def _next_slots(lengths, positions, capacity, ring):
     return lengths, lengths < capacity, lengths + 1
   slot = jnp.where(ring > 0, positions % jnp.maximum(ring, 1), lengths)
   return slot, slot < capacity, jnp.maximum(lengths, slot + 1)
-
-
-def layer_window(windows: Sequence[int], layer) -> tuple[int, bool | jax.Array]:
-  """(W, whether ``layer`` is local) from per-layer windows (0: global; () for
-  none): a Python bool for an int layer, a traced one otherwise.
-
-  Raises:
-    ValueError: local layers of two window sizes.
-  """
-  sizes = {w for w in windows if w}
-  if len(sizes) > 1:
-    raise ValueError(f"local layers with different windows {sorted(sizes)} are not supported")
-  if not sizes:
-    return 0, False
-  if isinstance(layer, (int, np.integer)):
-    return max(sizes), bool(windows[layer])
-  return max(sizes), jnp.asarray(windows)[layer] > 0
-
-
-def check_windows(windows, capacity, page_size: int) -> tuple[int, ...]:
-  """``windows`` (None or one int per layer) as ``PagedKVCache.windows``: () when no
-  layer is a ring.
-
-  Raises:
-    ValueError: a window that is not a multiple of ``page_size``, rings of two
-      sizes, or a ring layer whose capacity exceeds its window.
-  """
-  if windows is None or not any(windows):
-    return ()
-  windows = tuple(int(w) for w in windows)
-  if len(windows) != len(capacity):
-    raise ValueError(f"windows has {len(windows)} layers, the cache {len(capacity)}")
-  sizes = sorted({w for w in windows if w})
-  if len(sizes) > 1 or sizes[0] < 0 or sizes[0] % page_size:
-    raise ValueError(f"ring layers need one window, a multiple of page_size {page_size}; "
-                     f"got {sizes}")
-  for l, (w, row) in enumerate(zip(windows, capacity)):
-    if w and max(row) > w:
-      raise ValueError(f"layer {l} is a ring of {w} slots: its capacity {max(row)} "
-                       "must not exceed it")
-  return windows
-
-
-def _check_layer(layer, num_layers: int) -> None:
-  """A Python int layer must be in range; a traced one must be an integer scalar."""
-  if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool):
-    if not 0 <= layer < num_layers:
-      raise ValueError(f"layer must be in [0, {num_layers}), got {layer}")
-    return
-  check_array("layer", layer, "[]", (), "int")
-
-
-def check_array(name: str, x, letters: str, shape: tuple, kind: str) -> None:
-  """Raises ValueError unless ``x`` has ``shape`` (None: any size) and a dtype of ``kind``.
-
-  Runs on shapes and dtypes only (static under jit), so it costs nothing per step.
-
-  Args:
-    name: the argument's name, for the message.
-    letters: the shape in dimension letters, e.g. "[B, L, K]".
-    shape: the expected sizes.
-    kind: "int", "float" or "bool".
-  """
-  if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-    x = np.asarray(x)  # Python scalars and lists
-  got = tuple(x.shape)
-  if len(got) != len(shape) or any(w is not None and w != g for w, g in zip(shape, got)):
-    want = tuple("any" if w is None else w for w in shape)
-    raise ValueError(f"{name} must have shape {letters} = {want}, got {got}")
-  dtype = np.dtype(x.dtype)
-  ok = {"int": jnp.issubdtype(dtype, jnp.integer),
-        "float": jnp.issubdtype(dtype, jnp.floating),
-        "bool": dtype == np.dtype(bool)}[kind]
-  if not ok:
-    article = "an" if kind == "int" else "a"
-    raise ValueError(f"{name} must be {article} {kind} array, got dtype {dtype}")
-
-
-def _pages_owned(page_table: jax.Array) -> jax.Array:
-  """[B, L, K] number of allocated pages (pages are allocated front to back)."""
-  return (page_table >= 0).sum(axis=-1, dtype=jnp.int32)
-
-
-def _capacity_table(capacity, num_layers: int, num_kv_heads: int) -> tuple[tuple[int, ...], ...]:
-  """Normalises an int, [L] or [L][K] capacity into an [L][K] tuple of ints."""
-  if isinstance(capacity, (int, np.integer)):
-    return tuple((int(capacity),) * num_kv_heads for _ in range(num_layers))
-  rows = list(capacity)
-  if len(rows) != num_layers:
-    raise ValueError(f"capacity has {len(rows)} layers, the model has {num_layers}")
-  table = []
-  for l, row in enumerate(rows):
-    if isinstance(row, (int, np.integer)):
-      table.append((int(row),) * num_kv_heads)
-    else:
-      row = tuple(int(c) for c in row)
-      if len(row) != num_kv_heads:
-        raise ValueError(
-            f"capacity of layer {l} has {len(row)} heads, the model has {num_kv_heads}")
-      table.append(row)
-  return tuple(table)
-
-
-def round_up(n: int, multiple: int) -> int:
-  return multiple * math.ceil(n / multiple)

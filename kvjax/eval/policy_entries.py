@@ -110,12 +110,9 @@ def parse(entry: str) -> PolicyEntry:
     if field in raw:
       raise ValueError(f"--policies entry {entry!r} sets {field} twice")
     raw[field] = value.strip()
-  known = {f.name: f for f in dataclasses.fields(policies.get(name))  # unknown name: raises
-           if not f.metadata.get("sized_by_generation")}
+  known = {f.name: f for f in dataclasses.fields(policies.get(name))}  # unknown name: raises
   if set(raw) - set(known):
     policies.get(name, **raw)  # raises the ValueError naming the unknown and the known fields
-    raise ValueError(f"--policies entry {entry!r}: {', '.join(sorted(set(raw) - set(known)))} "
-                     "follow the cache's sizes (--page_size, the question, the new tokens)")
   fields = {k: _fit(entry, name, known[k], v) for k, v in raw.items()}
   try:
     policies.get(name, **fields)  # the policy's own checks (a bad variant, a negative size)
@@ -176,8 +173,6 @@ def settings(policy: policies.Policy, given: Iterable[str] = ()) -> dict:
   given = set(given)
   out = {}
   for field in dataclasses.fields(policy):
-    if field.metadata.get("sized_by_generation"):
-      continue
     value = getattr(policy, field.name)
     if field.name == "delimiter_ids" and field.name not in given:
       value = f"tokenizer ({len(value)} ids)"

@@ -22,10 +22,11 @@ from typing import Any, Iterator, Sequence
 import jax
 import numpy as np
 
-from kvjax import backend as backend_lib
+from kvjax import execution
 from kvjax import policies as policies_lib
 from kvjax.cache import attention as attention_lib
 from kvjax.cache.paged import PagedKVCache
+from kvjax.generation import calls
 from kvjax.generation import inputs
 from kvjax.generation import plan as plan_lib
 from kvjax.generation import programs
@@ -132,9 +133,8 @@ def generate_each(
 ) -> Iterator[GenerationResult]:
   """Generates for one batch of prompts under each (policy, budget) in turn.
 
-  With a one-shot prefill and more than one run, the runs share the prompt's
-  forward pass (see this module's docstring); each run's ``prefill_s`` counts
-  the shared forward plus its own compression.
+  One-shot runs share the prompt's forward pass (the module docstring); each
+  run's ``prefill_s`` counts it plus its own compression.
 
   Args:
     lm, prompts: as in ``generate``.
@@ -148,39 +148,26 @@ def generate_each(
     top_k: sample among the k most likely tokens (0 = all).
     seed: sampling seed.
     chat_template: wrap each string prompt as a user turn of the model's chat
-      template. With ``questions``, the prompt (the context) and its question
-      form one user turn, the question after the context, then the
-      assistant's header; the turn is cut where the question starts, so a
-      query-agnostic run compresses the template's head and the context, and
-      appends the question, the turn's end and the header uncompressed::
-
-        doc = kvjax.tasks.example_document()
-        kvjax.generate(lm, [doc.text], questions=[doc.question], chat_template=True,
-                       query_aware=False, policy="snapkv", budget=1152).texts[0]
-        # "The code to the lamp room's lock is 58213."
+      template. With ``questions``, context and question form one user turn,
+      cut where the question starts: a query-agnostic run compresses the
+      template's head and the context, and appends the question, the turn's
+      end and the assistant's header uncompressed.
     stop_ids: ids that end a sequence (default: the tokenizer's stop ids).
     page_size: slots per cache page.
-    backend: "auto", "xla", "pallas" or "native" for the kernels: paged decode attention,
-      and the policy's prefill scoring (window scores, key norms). "auto" picks
-      per op (``kvjax.backend``).
+    backend: "auto", "xla", "pallas" or "native": the kernels of every op, "auto"
+      per op (``kvjax.execution.create``).
     pad_multiple: prompts are right-padded to a multiple of this many tokens.
     attention_block: block size of the prefill's causal attention (its logits
       are [B, N, block, block] at a time).
-    prefill_chunk: 0 for a one-shot prefill; else the prompt is prefilled in
-      chunks of this many tokens, each attending to the compressed cache and
-      to itself, after which the cache is compressed back to the budget: the
-      pool holds the budget per head (+ question and decode tokens), and a
-      chunk's keys and values stay in the chunk program's scratch. For
-      policies that score from an observation window or from keys and values
-      (``Policy.chunked_prefill``); the chunk must hold the window. Each run
-      prefills on its own (its chunks attend to its own compressed cache).
-    mesh: a (data, model) device mesh (``kvjax.sharding.make_mesh``) to run on:
-      sequences split over ``data``, KV heads (with their query heads and the
-      MLP's columns) over ``model``, each device holding only its part of the
-      page pool. Greedy tokens and kept positions are those of one device (up
-      to float rounding: docs/sharding.md); sampling draws with keys of each
-      data shard's own. The data axis must divide the batch, the model axis
-      the KV heads. None: the default device.
+    prefill_chunk: 0 for a one-shot prefill; else chunks of this many tokens,
+      each attending to the compressed cache and itself, then compressed back
+      to the budget: the pool holds the budget per head (+ question and
+      decode tokens). For ``Policy.chunked_prefill`` policies; the chunk must
+      hold the window. Each run prefills on its own.
+    mesh: a (data, model) mesh (``kvjax.sharding.make_mesh``): sequences split
+      over ``data``, KV heads (with their query heads and MLP columns) over
+      ``model``, each device holding its part of the pool; the tokens of one
+      device (docs/sharding.md). None: the default device.
 
   Yields:
     A GenerationResult per run, in the order of ``runs``.
@@ -195,50 +182,47 @@ def generate_each(
   options = inputs.Options(
       max_new_tokens=max_new_tokens, page_size=page_size, backend=backend,
       pad_multiple=pad_multiple, attention_block=attention_block, prefill_chunk=prefill_chunk,
-      stop_ids=tuple(stop_ids), temperature=temperature, top_k=top_k, seed=seed, mesh=mesh)
+      stop_ids=tuple(stop_ids), temperature=temperature, top_k=top_k, seed=seed, mesh=mesh,
+      ex=execution.create(backend))
   runs = inputs.check(lm, runs, options)
   batch = inputs.batch(lm, prompts, questions, query_aware=query_aware,
                        chat_template=chat_template, options=options)
   if mesh is not None:
     mesh_lib.check_mesh(mesh, lm.config, batch.size)
     lm = layout.shard_model(lm, mesh)
+  yield from _runs(lm, batch, options, runs)
+
+
+def _runs(lm: LanguageModel, batch: inputs.Batch, options: inputs.Options,
+          runs: Sequence[inputs.Run]) -> Iterator[GenerationResult]:
+  """``generate_each`` on checked runs and a tokenized batch."""
   shared, recorded = Clock(), None
   # Shared by the runs, or needed by a policy that selects from every layer at once.
-  if (len(runs) > 1 or any(p.needs_every_layer for p, _ in runs)) and not prefill_chunk:
-    recorded = plan_lib.record(lm, batch, options, shared)
+  if (len(runs) > 1 or any(p.needs_every_layer for p, _ in runs)) and not options.prefill_chunk:
+    recorded = calls.record(lm, batch, options, shared)
   for i, (policy, budget) in enumerate(runs):
     # Every run counts the shared forward's time; its compilation counts once.
     clock = Clock(shared.seconds, 0.0 if i else shared.compile_s)
     if recorded is not None:  # its first run scores for all (``Policy.shares_scores``)
-      recorded = plan_lib.share_scores(lm, batch, options, clock, recorded, policy)
-    plan = plan_lib.plan_run(lm, batch, policy, budget, options, recorded)
-    result = _run(lm, batch, options, plan, clock)
+      recorded = calls.share_scores(lm, batch, options, clock, recorded, policy)
+    plan = plan_lib.plan_run(lm.config, batch, policy, budget, options, recorded is not None)
+    result = _run(lm, batch, options, plan, clock, recorded)
     yield dataclasses.replace(result, stats=dataclasses.replace(
         result.stats, shared_prefill_s=shared.seconds.get("prefill", 0.0)))
 
 
 def _run(lm: LanguageModel, batch: inputs.Batch, options: inputs.Options,
-         plan: plan_lib.RunPlan, clock: Clock) -> GenerationResult:
+         plan: plan_lib.RunPlan, clock: Clock, recorded) -> GenerationResult:
   """Compiles, prefills and decodes one run."""
   # Compiled before the cache exists: the compiler's transient memory then
   # does not stack on the page pool and what the prefill leaves.
-  abstract = jax.eval_shape(plan.new_cache)
-  logits = plan.prefill.compile(clock, abstract)
-  clock.compile(programs.decode, *plan_lib.decode_call(
-      lm, abstract, logits, batch.next_positions, **_decode_options(batch, options, plan)))
+  abstract = jax.eval_shape(lambda: calls.new_cache(lm, batch, options, plan))
+  logits = calls.compile_prefill(lm, batch, options, plan, clock, recorded, abstract)
+  calls.run_decode(lm, batch, options, plan, clock, abstract, logits, compile_only=True)
 
-  cache, logits = plan.prefill.run(clock, plan.new_cache())
+  cache, logits = calls.run_prefill(lm, batch, options, plan, clock, recorded,
+                                    calls.new_cache(lm, batch, options, plan))
   return finish_run(lm, batch, options, plan, clock, cache, logits)
-
-
-def _decode_options(batch: inputs.Batch, options: inputs.Options,
-                    plan: plan_lib.RunPlan) -> dict:
-  """``plan_lib.decode_call``'s keyword arguments for one run."""
-  return dict(policy=plan.policy, limit=plan.limit, question=batch.question_span,
-              max_new_tokens=options.max_new_tokens, backend=options.backend,
-              stop_ids=options.stop_ids,
-              sampler=sampling.from_options(options.temperature, options.top_k),
-              seed=options.seed, mesh=options.mesh)
 
 
 def finish_run(lm: LanguageModel, batch: inputs.Batch, options: inputs.Options,
@@ -255,9 +239,8 @@ def finish_run(lm: LanguageModel, batch: inputs.Batch, options: inputs.Options,
       has questions to append: the question's last token gives them).
   """
   if batch.question_tokens is not None:
-    cache, logits = plan_lib.append_questions(lm, batch, options, clock, cache)
-  tokens, steps, cache = clock.run("decode", programs.decode, *plan_lib.decode_call(
-      lm, cache, logits, batch.next_positions, **_decode_options(batch, options, plan)))
+    cache, logits = calls.append_questions(lm, batch, options, clock, cache)
+  tokens, steps, cache = calls.run_decode(lm, batch, options, plan, clock, cache, logits)
 
   stops = {int(s) for s in options.stop_ids}
   token_ids = [_until_stop(row, stops) for row in np.asarray(tokens)]
@@ -268,7 +251,7 @@ def finish_run(lm: LanguageModel, batch: inputs.Batch, options: inputs.Options,
       prefill_s=clock.seconds.get("prefill", 0.0), decode_s=clock.seconds["decode"],
       decode_steps=int(steps) - 1, compile_s=clock.compile_s, kv_bytes=cache.kv_bytes,
       kv_capacity=cache.capacity, policy=plan.policy.name, budget=plan.budget,
-      backend=backend_lib.resolve(options.backend, "paged_attention"), mesh_shape=cache.shards)
+      backend=options.ex.choice("paged_attention"), mesh_shape=cache.shards)
   return GenerationResult(texts, token_ids, stats, cache)
 
 
@@ -287,7 +270,8 @@ def decode(lm: LanguageModel, cache: PagedKVCache, logits, next_positions, *,
     next_positions: [B] int32 position of the first generated token.
     policy: a bound policy (decode-time eviction, accumulated attention).
     limit: [B, L, K] entries a head may hold (decode-evicting policies).
-    backend: "auto", "xla", "pallas" or "native" (``kvjax.backend``).
+    backend: "auto", "xla", "pallas" or "native" (``kvjax.backend``), or a
+      ``kvjax.execution.Execution``.
     question: [B, 2] positions [start, end) page eviction never takes (None: none).
 
   Returns:
@@ -295,10 +279,11 @@ def decode(lm: LanguageModel, cache: PagedKVCache, logits, next_positions, *,
     seconds of the loop, seconds spent compiling).
   """
   clock = Clock()
-  tokens, steps, cache = clock.run("decode", programs.decode, *plan_lib.decode_call(
+  ex = backend if isinstance(backend, execution.Execution) else execution.create(backend)
+  tokens, steps, cache = clock.run("decode", programs.decode, *calls.decode_call(
       lm, cache, logits, next_positions, policy=policy, limit=limit,
       question=np.zeros((len(next_positions), 2), np.int32) if question is None else question,
-      max_new_tokens=max_new_tokens, backend=backend, stop_ids=stop_ids,
+      max_new_tokens=max_new_tokens, ex=ex, stop_ids=stop_ids,
       sampler=sampling.from_options(temperature, top_k), seed=seed))
   return np.asarray(tokens), int(steps), cache, clock.seconds["decode"], clock.compile_s
 

@@ -49,26 +49,25 @@ def compile_lowered(lowered: jax.stages.Lowered, name: str) -> jax.stages.Compil
     return lowered.compile()
 
 
-def compiled(fn: Callable, args: tuple, statics: dict) -> tuple[jax.stages.Compiled, float]:
+def compiled(fn: Callable, args: tuple, statics: dict, mesh=None
+             ) -> tuple[jax.stages.Compiled, float]:
   """The compiled program of ``fn`` for these statics and argument shapes.
 
   ``args`` may be abstract (``jax.ShapeDtypeStruct``), to compile before the
   arrays exist. Argument 1 (the cache) is donated so XLA updates the page
-  pool in place. A ``mesh`` among the statics (not None) compiles the
-  program to run per device on that mesh (``kvjax.sharding.programs``).
+  pool in place. A ``mesh`` (not None) compiles the program to run per
+  device on that mesh (``kvjax.sharding.programs``).
 
   Returns:
     (the program, seconds spent compiling now: 0 when it was compiled before).
   """
   name = fn.__name__
   shapes = jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), args)
-  key = (name, tuple(sorted(statics.items(), key=lambda kv: kv[0])),
+  key = (name, tuple(sorted(statics.items(), key=lambda kv: kv[0])), mesh,
          jax.tree.structure(args), tuple(jax.tree.leaves(shapes)))
   if key in _PROGRAMS:
     return _PROGRAMS[key], 0.0
   start = time.perf_counter()
-  statics = dict(statics)
-  mesh = statics.pop("mesh", None)
   if mesh is None:
     jitted = jax.jit(functools.partial(fn, **statics), donate_argnums=(1,))
     program = compile_lowered(jitted.lower(*args), name)
@@ -99,15 +98,16 @@ class Clock:
     self.seconds = dict(seconds or {})  # phase ("prefill", "decode") -> run seconds
     self.compile_s = compile_s
 
-  def compile(self, fn: Callable, args: tuple, statics: dict) -> jax.stages.Compiled:
+  def compile(self, fn: Callable, args: tuple, statics: dict, mesh=None
+              ) -> jax.stages.Compiled:
     """The compiled program (see ``compiled``), counting the seconds it took to compile now."""
-    program, seconds = compiled(fn, args, statics)
+    program, seconds = compiled(fn, args, statics, mesh)
     self.compile_s += seconds
     return program
 
-  def run(self, phase: str, fn: Callable, args: tuple, statics: dict) -> Any:
+  def run(self, phase: str, fn: Callable, args: tuple, statics: dict, mesh=None) -> Any:
     """Runs ``fn``'s program on ``args`` to completion; its seconds count under ``phase``."""
-    program = self.compile(fn, args, statics)
+    program = self.compile(fn, args, statics, mesh)
     buffer_memory.observe(program, fn.__name__)
     start = time.perf_counter()
     out = jax.block_until_ready(program(*args))

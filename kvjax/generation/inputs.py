@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvjax import backend as backend_lib
+from kvjax import execution
 from kvjax import policies as policies_lib
 from kvjax.cache.paged import round_up
 from kvjax.models.lm import LanguageModel
@@ -35,6 +35,8 @@ class Options:
   top_k: int  # sample among the k most likely tokens (0 = all)
   seed: int
   mesh: Any = None  # a (data, model) jax.sharding.Mesh to run on, or None for one device
+  # The programs' kernels and platform, from ``backend`` (``kvjax.execution.create``).
+  ex: execution.Execution = execution.Execution()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +85,6 @@ def check(lm: LanguageModel, runs: Sequence[tuple[str | policies_lib.Policy, int
   runs = [(policies_lib.get(policy), budget) for policy, budget in runs]
   if not runs:
     raise ValueError("runs is empty: pass at least one (policy, budget) pair")
-  backend_lib.resolve(options.backend)
   cfg = lm.config
   for name in ("max_new_tokens", "page_size", "pad_multiple", "attention_block"):
     value = getattr(options, name)

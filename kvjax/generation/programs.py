@@ -9,22 +9,22 @@
   decode         the whole decode loop, in one ``while_loop``
 
 Each takes the model's parameters and then the cache (argument 1, donated) or
-what stands in its place; its keyword arguments are static. Each traces its
-body with the caller's ``backend`` ambient (``kvjax.backend.use``), where the
-attention entry points, the policy's scoring and the packed weights' products
-pick their kernels, op by op.
+what stands in its place; its keyword arguments are static. Among them
+``ex``, the ``kvjax.execution.Execution`` the program is built for: the
+attention entry points, the policy and the packed weights' products take
+their kernels from it, op by op, and their mesh axes; nothing ambient.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kvjax import backend as backend_lib
 from kvjax.cache import attention as attention_lib
 from kvjax.generation.state import DecodeState
-from kvjax.sharding import collectives
 
 # What each program's arguments and results are, for running it per device on
 # a mesh (``kvjax.sharding.programs``): "params", "cache", or a kind of
@@ -49,36 +49,35 @@ def _positions(tokens: jax.Array, offsets: jax.Array | None = None) -> jax.Array
   return offsets[:, None] + steps[None]
 
 
-def _forward(graphdef, params, tokens, positions, state, attend, last):
+def _forward(graphdef, params, tokens, positions, state, attend, last, ex):
   """Runs the model over tokens [B, T], attending with ``attend`` (which carries ``state``).
 
   Returns:
     (state, logits [B, V] at each row's token ``last`` [B]).
   """
   model = nnx.merge(graphdef, params)
-  hidden, state = model(tokens, positions, state, attend)
-  return state, model.logits(hidden[jnp.arange(tokens.shape[0]), last])
+  hidden, state = model(tokens, positions, state, attend, ex)
+  return state, model.logits(hidden[jnp.arange(tokens.shape[0]), last], ex)
 
 
-def prefill(params, cache, tokens, lengths, *, graphdef, policy, block, budget, budgets,
-            backend):
+def prefill(params, cache, tokens, lengths, *, graphdef, policy, layout, block, ex):
   """Prompt forward pass that fills (and compresses) the cache; returns (cache, logits [B, V]).
 
   Args:
     tokens: [B, T] int32, right-padded; lengths: [B] int32.
   """
-  with backend_lib.use(backend):
-    positions = _positions(tokens)
-    select = policy.select(budget, budgets)
+  positions = _positions(tokens)
+  select = policy.select(ex, layout)
 
-    def attend(cache, layer, q, k, v):
-      return attention_lib.prefill_attention(
-          cache, layer, q, k, v, positions, lengths, tokens=tokens, select=select, block=block)
+  def attend(cache, layer, q, k, v):
+    return attention_lib.prefill_attention(
+        cache, layer, q, k, v, positions, lengths, tokens=tokens, select=select, block=block,
+        ex=ex)
 
-    return _forward(graphdef, params, tokens, positions, cache, attend, lengths - 1)
+  return _forward(graphdef, params, tokens, positions, cache, attend, lengths - 1, ex)
 
 
-def record(params, buffers, tokens, lengths, *, graphdef, block, backend):
+def record(params, buffers, tokens, lengths, *, graphdef, block, ex):
   """Prompt forward pass that records every layer's q, k, v (no cache, no policy).
 
   Args:
@@ -89,17 +88,18 @@ def record(params, buffers, tokens, lengths, *, graphdef, block, backend):
     (the filled buffers, logits [B, V] at each sequence's last token).
   """
   windows = nnx.merge(graphdef, params).config.layer_windows
-  with backend_lib.use(backend):
 
-    def attend(buffers, layer, q, k, v):
-      window, local = attention_lib.layer_window(windows, layer)
-      out = attention_lib.prompt_attention(q, k, v, window=window, local=local, block=block)
-      return tuple(b.at[layer].set(x.astype(b.dtype)) for b, x in zip(buffers, (q, k, v))), out
+  def attend(buffers, layer, q, k, v):
+    window, local = attention_lib.layer_window(windows, layer)
+    out = attention_lib.prompt_attention(q, k, v, window=window, local=local, block=block,
+                                         ex=ex)
+    return tuple(b.at[layer].set(x.astype(b.dtype)) for b, x in zip(buffers, (q, k, v))), out
 
-    return _forward(graphdef, params, tokens, _positions(tokens), buffers, attend, lengths - 1)
+  return _forward(graphdef, params, tokens, _positions(tokens), buffers, attend, lengths - 1,
+                  ex)
 
 
-def score(params, scores, recorded, tokens, lengths, *, graphdef, policy, backend):
+def score(params, scores, recorded, tokens, lengths, *, graphdef, policy, ex):
   """A policy's prefill scores of a recorded prompt (``record``) on every global layer.
 
   The runs of one recorded prompt at several budgets store from them
@@ -114,18 +114,17 @@ def score(params, scores, recorded, tokens, lengths, *, graphdef, policy, backen
     the filled scores.
   """
   global_layers = jnp.asarray(nnx.merge(graphdef, params).config.global_layers)
-  with backend_lib.use(backend):
-    prompt = attention_lib.Prompt(tokens, _positions(tokens), lengths)
+  prompt = attention_lib.Prompt(tokens, _positions(tokens), lengths)
 
-    def layer_scores(layer):
-      q, k, v = (x[layer] for x in recorded)
-      return policy.score(prompt, q, k, v).astype(scores.dtype)
+  def layer_scores(layer):
+    q, k, v = (x[layer] for x in recorded)
+    return policy.score(ex, prompt, q, k, v).astype(scores.dtype)
 
-    return scores.at[global_layers].set(jax.lax.map(layer_scores, global_layers))
+  return scores.at[global_layers].set(jax.lax.map(layer_scores, global_layers))
 
 
-def store(params, cache, recorded, tokens, lengths, scores=None, *, graphdef, policy, budget,
-          budgets, backend):
+def store(params, cache, recorded, tokens, lengths, scores=None, *, graphdef, policy, layout,
+          ex):
   """Stores what the policy keeps of a recorded prompt (``record``) in every layer.
 
   Takes (and ignores) params so that, like every program here, the cache is
@@ -136,20 +135,19 @@ def store(params, cache, recorded, tokens, lengths, scores=None, *, graphdef, po
       instead of scoring each layer here.
   """
   del params, graphdef
-  with backend_lib.use(backend):
-    prompt = attention_lib.Prompt(tokens, _positions(tokens), lengths)
-    select = (policy.select_recorded(budget, budgets, prompt, recorded) if scores is None
-              else policy.select(budget, budgets, scores))
+  prompt = attention_lib.Prompt(tokens, _positions(tokens), lengths)
+  select = (policy.select_recorded(ex, layout, prompt, recorded) if scores is None
+            else policy.select(ex, layout, scores))
 
-    def layer_body(layer, cache):
-      q, k, v = (x[layer] for x in recorded)
-      return attention_lib.store_prompt(cache, layer, prompt, q, k, v, select)
+  def layer_body(layer, cache):
+    q, k, v = (x[layer] for x in recorded)
+    return attention_lib.store_prompt(cache, layer, prompt, q, k, v, select)
 
-    return jax.lax.fori_loop(0, recorded[0].shape[0], layer_body, cache)
+  return jax.lax.fori_loop(0, recorded[0].shape[0], layer_body, cache)
 
 
-def prefill_chunk(params, cache, tokens, lengths, offsets, logits, *, graphdef, policy, budget,
-                  budgets, backend):
+def prefill_chunk(params, cache, tokens, lengths, offsets, logits, *, graphdef, policy, layout,
+                  ex):
   """One prompt chunk: attend to the cache and itself, then compress back to the budget.
 
   Args:
@@ -160,32 +158,32 @@ def prefill_chunk(params, cache, tokens, lengths, offsets, logits, *, graphdef, 
   Returns (cache, logits [B, V]: at each sequence's last token in the chunk, or
   the given ones where the chunk has none of its tokens).
   """
-  with backend_lib.use(backend):
-    positions = _positions(tokens, offsets)
-    select = policy.select(budget, budgets)
+  positions = _positions(tokens, offsets)
+  # Each (sequence, KV head) is compressed as a one-head sequence of its own:
+  # nothing to reduce across devices.
+  select = policy.select(ex.local(), layout)
 
-    def attend(cache, layer, q, k, v):
-      return attention_lib.chunk_attention(cache, layer, q, k, v, positions, lengths,
-                                           select=select)
+  def attend(cache, layer, q, k, v):
+    return attention_lib.chunk_attention(cache, layer, q, k, v, positions, lengths,
+                                         select=select, ex=ex)
 
-    cache, last = _forward(graphdef, params, tokens, positions, cache, attend,
-                           jnp.maximum(lengths - 1, 0))
-    return cache, jnp.where((lengths > 0)[:, None], last, logits)
+  cache, last = _forward(graphdef, params, tokens, positions, cache, attend,
+                         jnp.maximum(lengths - 1, 0), ex)
+  return cache, jnp.where((lengths > 0)[:, None], last, logits)
 
 
-def extend(params, cache, tokens, lengths, offsets, *, graphdef, backend):
+def extend(params, cache, tokens, lengths, offsets, *, graphdef, ex):
   """Appends a chunk (the question) to the cache uncompressed; returns (cache, logits [B, V])."""
-  with backend_lib.use(backend):
-    positions = _positions(tokens, offsets)
+  positions = _positions(tokens, offsets)
 
-    def attend(cache, layer, q, k, v):
-      return attention_lib.extend_attention(cache, layer, q, k, v, positions, lengths)
+  def attend(cache, layer, q, k, v):
+    return attention_lib.extend_attention(cache, layer, q, k, v, positions, lengths)
 
-    return _forward(graphdef, params, tokens, positions, cache, attend, lengths - 1)
+  return _forward(graphdef, params, tokens, positions, cache, attend, lengths - 1, ex)
 
 
 def decode(params, cache, first_logits, next_positions, limit, question, seed, stops, sampler,
-           pad_id, *, graphdef, policy, max_new_tokens, backend):
+           pad_id, *, graphdef, policy, max_new_tokens, ex):
   """Greedy or sampled decoding in one while_loop.
 
   Args:
@@ -200,27 +198,27 @@ def decode(params, cache, first_logits, next_positions, limit, question, seed, s
   Returns:
     (tokens [B, max_new_tokens] int32, steps run (1 + forward passes), cache).
   """
-  with backend_lib.use(backend):
-    # On a mesh each data shard samples its sequences with keys of its own.
-    rng, key = jax.random.split(collectives.data_shard_key(jax.random.key(seed)))
-    state = DecodeState.start(sampler(first_logits, key), cache, rng,
-                              max_new_tokens=max_new_tokens, pad_id=pad_id, stops=stops)
+  # On a mesh each data shard samples its sequences with keys of its own.
+  rng, key = jax.random.split(ex.axes.data_shard_key(jax.random.key(seed)))
+  state = DecodeState.start(sampler(first_logits, key), cache, rng,
+                            max_new_tokens=max_new_tokens, pad_id=pad_id, stops=stops)
+  running = functools.partial(DecodeState.running, axes=ex.axes)
 
-    def step(state: DecodeState) -> DecodeState:
-      positions = (next_positions + state.step - 1)[:, None]  # [B, 1]
-      cache = policy.before_decode_step(state.cache, limit, positions[:, 0], question)
-      # Every layer's page, position and length at once; each layer stores k and v.
-      cache, slots = cache.open_token_slots(positions[:, 0])
+  def step(state: DecodeState) -> DecodeState:
+    positions = (next_positions + state.step - 1)[:, None]  # [B, 1]
+    cache = policy.before_decode_step(ex, state.cache, limit, positions[:, 0], question)
+    # Every layer's page, position and length at once; each layer stores k and v.
+    cache, slots = cache.open_token_slots(positions[:, 0])
 
-      def attend(cache, layer, q, k, v):
-        return attention_lib.decode_attention(cache, layer, q, k, v, positions,
-                                              accumulate=policy.accumulates_attention,
-                                              slots=slots[:, layer])
+    def attend(cache, layer, q, k, v):
+      return attention_lib.decode_attention(cache, layer, q, k, v, positions,
+                                            accumulate=policy.accumulates_attention,
+                                            slots=slots[:, layer], ex=ex)
 
-      cache, logits = _forward(graphdef, params, state.last()[:, None], positions, cache, attend,
-                               jnp.zeros_like(positions[:, 0]))
-      rng, key = jax.random.split(state.rng)
-      return state.advance(sampler(logits, key), cache, rng, pad_id=pad_id, stops=stops)
+    cache, logits = _forward(graphdef, params, state.last()[:, None], positions, cache, attend,
+                             jnp.zeros_like(positions[:, 0]), ex)
+    rng, key = jax.random.split(state.rng)
+    return state.advance(sampler(logits, key), cache, rng, pad_id=pad_id, stops=stops)
 
-    state = jax.lax.while_loop(DecodeState.running, step, state)
-    return state.tokens, state.step, state.cache
+  state = jax.lax.while_loop(running, step, state)
+  return state.tokens, state.step, state.cache

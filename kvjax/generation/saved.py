@@ -29,11 +29,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import execution
 from kvjax import policies as policies_lib
 from kvjax.cache import attention as attention_lib
 from kvjax.cache import checkpoint
 from kvjax.cache.paged import EMPTY, PagedKVCache
 from kvjax.generation import api
+from kvjax.generation import calls
 from kvjax.generation import inputs
 from kvjax.generation import plan as plan_lib
 from kvjax.generation.compile import Clock
@@ -52,7 +54,7 @@ class CompressedContext:
   cache: PagedKVCache  # the cache right after prefill and compression (B sequences)
   lengths: np.ndarray  # [B] int32 document tokens: positions 0 .. n - 1; the next is n
   prompt_len: int  # T: the padded document length the policy's budgets were set for
-  policy: policies_lib.Policy  # bound to the tokenizer; not sized (``Policy.for_cache``)
+  policy: policies_lib.Policy  # bound to the tokenizer
   budget: int | None  # entries per (layer, KV head) after prefill; None for "full"
   room: int  # entries per head the policy was sized to leave for a question and its answer
   chat_template: bool  # the documents were the head of a chat user turn
@@ -67,11 +69,6 @@ class CompressedContext:
   def kv_bytes(self) -> int:
     """Bytes of the page pool's keys and values."""
     return self.cache.kv_bytes
-
-
-def _sized(policy: policies_lib.Policy) -> bool:
-  """Whether what the policy keeps depends on the room left after prefill (AdaKV, Duo)."""
-  return any(f.metadata.get("sized_by_generation") for f in dataclasses.fields(policy))
 
 
 def compress(lm: LanguageModel, documents: inputs.Prompts, *,
@@ -107,7 +104,8 @@ def compress(lm: LanguageModel, documents: inputs.Prompts, *,
     raise ValueError(f"room must be a positive int, got {room!r}")
   options = inputs.Options(max_new_tokens=room, page_size=page_size, backend=backend,
                            pad_multiple=pad_multiple, attention_block=attention_block,
-                           prefill_chunk=0, stop_ids=(), temperature=0.0, top_k=0, seed=0)
+                           prefill_chunk=0, stop_ids=(), temperature=0.0, top_k=0, seed=0,
+                           ex=execution.create(backend))
   (policy, budget), = inputs.check(lm, [(policy, budget)], options)
   if chat_template:
     docs = inputs._as_list(documents, "documents")  # pylint: disable=protected-access
@@ -116,10 +114,11 @@ def compress(lm: LanguageModel, documents: inputs.Prompts, *,
   batch = inputs.batch(lm, documents, None, query_aware=False, chat_template=False,
                        options=options)
   clock = Clock()
-  recorded = plan_lib.record(lm, batch, options, clock) if policy.needs_every_layer else None
-  plan = plan_lib.plan_run(lm, batch, policy, budget, options, recorded)
-  plan.prefill.compile(clock, jax.eval_shape(plan.new_cache))
-  cache, _ = plan.prefill.run(clock, plan.new_cache())
+  recorded = calls.record(lm, batch, options, clock) if policy.needs_every_layer else None
+  plan = plan_lib.plan_run(lm.config, batch, policy, budget, options, recorded is not None)
+  new_cache = lambda: calls.new_cache(lm, batch, options, plan)
+  calls.compile_prefill(lm, batch, options, plan, clock, recorded, jax.eval_shape(new_cache))
+  cache, _ = calls.run_prefill(lm, batch, options, plan, clock, recorded, new_cache())
   return CompressedContext(cache=trimmed(cache), lengths=np.asarray(batch.lengths, np.int32),
                            prompt_len=batch.prompt_len, policy=policy, budget=budget, room=room,
                            chat_template=chat_template, config=lm.config, source=lm.source)
@@ -163,7 +162,8 @@ def answer(lm: LanguageModel, context: CompressedContext,
   options = inputs.Options(
       max_new_tokens=max_new_tokens, page_size=context.cache.page_size, backend=backend,
       pad_multiple=pad_multiple, attention_block=attention_lib.PREFILL_BLOCK, prefill_chunk=0,
-      stop_ids=tuple(stop_ids), temperature=temperature, top_k=top_k, seed=seed)
+      stop_ids=tuple(stop_ids), temperature=temperature, top_k=top_k, seed=seed,
+      ex=execution.create(backend))
   (policy, budget), = inputs.check(lm, [(context.policy, context.budget)], options)
   chat = context.chat_template if chat_template is None else chat_template
   # Stand-ins for the documents: only their lengths matter from here on.
@@ -176,8 +176,11 @@ def answer(lm: LanguageModel, context: CompressedContext,
                          chat_template=False, options=options)
     batch = dataclasses.replace(
         batch, tokens=np.zeros((context.batch_size, context.prompt_len), np.int32))
+    plan = plan_lib.plan_run(lm.config, batch, policy, budget, options, False)
     plan_options = options
-    if _sized(policy):  # sized for the room it kept for; generate's layout when they agree
+    # A policy whose heads have budgets of their own (AdaKV, Duo) kept for the
+    # room it was given: its layout is the one for that room.
+    if plan.layout.per_head:
       if batch.question_len + max_new_tokens > context.room:
         raise ValueError(
             f"policy {policy.name!r} kept the documents for a question and answer of "
@@ -186,8 +189,9 @@ def answer(lm: LanguageModel, context: CompressedContext,
             f"{batch.question_len + max_new_tokens}: compress with a larger room")
       plan_options = dataclasses.replace(options,
                                          max_new_tokens=context.room - batch.question_len)
-    plan = plan_lib.plan_run(lm, batch, policy, budget, plan_options, None)
-    cache = relaid(context.cache, plan.new_cache(), extra_tokens=batch.question_len)
+      plan = plan_lib.plan_run(lm.config, batch, policy, budget, plan_options, False)
+    cache = relaid(context.cache, calls.new_cache(lm, batch, plan_options, plan),
+                   extra_tokens=batch.question_len)
     results.append(api.finish_run(lm, batch, options, plan, Clock(), cache, None))
   return results
 
@@ -361,8 +365,6 @@ def _policy_json(policy: policies_lib.Policy) -> dict[str, Any]:
   """{"name": ..., "fields": {...}}: the fields a user sets (a wrapped policy nested alike)."""
   fields = {}
   for f in dataclasses.fields(policy):
-    if f.metadata.get("sized_by_generation"):
-      continue
     value = getattr(policy, f.name)
     if isinstance(value, policies_lib.Policy):
       value = _policy_json(value)

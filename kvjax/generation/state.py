@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.cache.paged import PagedKVCache
-from kvjax.sharding import collectives
+from kvjax.sharding.collectives import MeshAxes
 
 
 @struct.dataclass
@@ -33,9 +33,10 @@ class DecodeState:
     return cls(step=jnp.int32(1), tokens=tokens, done=jnp.isin(first, stops), cache=cache,
                rng=rng)
 
-  def running(self) -> jax.Array:
-    """Whether another step is due: tokens are left to write and a sequence is not done."""
-    return (self.step < self.tokens.shape[1]) & ~collectives.all_anywhere(self.done)
+  def running(self, axes: MeshAxes = MeshAxes()) -> jax.Array:
+    """Whether another step is due: tokens are left to write and a sequence is not done
+    (on a mesh, anywhere on its ``axes``)."""
+    return (self.step < self.tokens.shape[1]) & ~axes.all_anywhere(self.done)
 
   def last(self) -> jax.Array:
     """[B] int32: the token the next step feeds through the model."""

@@ -158,6 +158,20 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class ShardingRules:
+  """How a mesh's model axis splits a model's weights, by parameter name.
+
+  A model module states its own (``Llama.sharding_rules``) and
+  ``kvjax.sharding.layout`` reads them off the model it is given, so sharding
+  imports no model module. Every parameter not named is replicated.
+  """
+
+  head_columns: tuple[str, ...] = ()  # fused [q | k | v] columns: split by head, per part
+  mlp_columns: tuple[str, ...] = ()  # fused [gate | up] columns: split by column, per part
+  row_split: tuple[str, ...] = ()  # input axis (-2) holds heads or MLP columns: split it
+
+
+@dataclasses.dataclass(frozen=True)
 class LlamaConfig:
   """Shape and numerics of a Llama-family decoder (SmolLM2, Llama 3.x, Mistral)."""
 

@@ -29,7 +29,6 @@ from kvjax.cache.attention import layer_window, prompt_attention
 from kvjax.models import rope as rope_lib
 from kvjax.models.config import Gemma3Config, LlamaConfig
 from kvjax.models.llama import AttendFn, DecoderLayer, Llama, RMSNorm, matmul
-from kvjax.sharding import collectives
 
 
 def _pick(table: tuple, layer) -> jax.Array | bool:
@@ -48,7 +47,7 @@ class Gemma3DecoderLayer(DecoderLayer):
     self.post_attn_norm = RMSNorm(d, eps, dtype=dtype)
     self.post_mlp_norm = RMSNorm(d, eps, dtype=dtype)
 
-  def __call__(self, x, cos, sin, state, layer, attend: AttendFn):
+  def __call__(self, x, cos, sin, state, layer, attend: AttendFn, ex):
     """As DecoderLayer's, with cos and sin [2, B, T, H]: the global then the local table."""
     c = self.config
     b, t, _ = x.shape
@@ -57,17 +56,17 @@ class Gemma3DecoderLayer(DecoderLayer):
       cos, sin = cos[int(local)], sin[int(local)]
     else:
       cos, sin = jnp.where(local, cos[1], cos[0]), jnp.where(local, sin[1], sin[0])
-    q, k, v = self.qkv(self.attn_norm(x), cos, sin)
+    q, k, v = self.qkv(self.attn_norm(x), cos, sin, ex)
     q_scale = math.sqrt(c.head_dim / c.query_pre_attn_scalar)
     if q_scale != 1.0:
       q = (q.astype(jnp.float32) * q_scale).astype(q.dtype)
     state, attn = attend(state, layer, q, k, v)
     # On a mesh each shard holds a partial sum: the post-norm comes after the sum.
-    out = collectives.model_sum(matmul(attn.reshape(b, t, -1), self.wo[...]))
+    out = ex.axes.model_sum(matmul(attn.reshape(b, t, -1), self.wo[...], ex))
     x = x + self.post_attn_norm(out)
-    gate, up = jnp.split(matmul(self.mlp_norm(x), self.w_gate_up[...]), 2, axis=-1)
+    gate, up = jnp.split(matmul(self.mlp_norm(x), self.w_gate_up[...], ex), 2, axis=-1)
     hidden = jax.nn.gelu(gate, approximate=True) * up
-    x = x + self.post_mlp_norm(collectives.model_sum(matmul(hidden, self.w_down[...])))
+    x = x + self.post_mlp_norm(ex.axes.model_sum(matmul(hidden, self.w_down[...], ex)))
     return x, state
 
 
@@ -81,8 +80,8 @@ class Gemma3(Llama):
       raise TypeError(f"Gemma3 needs a Gemma3Config, got {type(config).__name__}")
     super().__init__(config, **kwargs)
 
-  def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-    x = super().embed_tokens(tokens)
+  def embed_tokens(self, tokens: jax.Array, ex) -> jax.Array:
+    x = super().embed_tokens(tokens, ex)
     # Rounded to the activations' dtype first, as Gemma's reference does.
     return x * jnp.asarray(math.sqrt(self.config.hidden_size), x.dtype)
 
@@ -92,21 +91,21 @@ class Gemma3(Llama):
               for theta in (self.config.rope_theta, self.config.rope_local_theta)]
     return jnp.stack([c for c, _ in tables]), jnp.stack([s for _, s in tables])
 
-  def logits(self, hidden: jax.Array) -> jax.Array:
-    logits = super().logits(hidden)
+  def logits(self, hidden: jax.Array, ex=None) -> jax.Array:
+    logits = super().logits(hidden, ex)
     cap = self.config.final_logit_softcapping
     if cap is not None:
       logits = cap * jnp.tanh(logits / cap)
     return logits
 
 
-def reference_attend(config: LlamaConfig) -> AttendFn:
+def reference_attend(config: LlamaConfig, ex=None) -> AttendFn:
   """The ``attend`` of a forward without a cache: causal, windowed on local layers
-  (``kvjax.cache.attention.prompt_attention``)."""
+  (``kvjax.cache.attention.prompt_attention``, run as ``ex`` says)."""
 
   def attend(state, layer, q, k, v):
     window, local = layer_window(config.layer_windows, layer)
-    return state, prompt_attention(q, k, v, window=window, local=local)
+    return state, prompt_attention(q, k, v, window=window, local=local, ex=ex)
 
   return attend
 

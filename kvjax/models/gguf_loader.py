@@ -411,6 +411,72 @@ def _packable(tensor: gguf.ReaderTensor) -> bool:
           and int(tensor.shape[0]) % quantized.BLOCK == 0)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Tensors:
+  """A file's tensors by name, read shape-checked (``path`` starts every message)."""
+
+  path: str
+  by_name: dict[str, gguf.ReaderTensor]
+  packed: bool  # keep Q4_1 / Q8_0 matrices as their blocks
+
+  def keep_packed(self, names: list[str]) -> bool:
+    """Whether to keep these tensors' blocks: one packable format for all (a stack's layers)."""
+    found = [self.by_name.get(n) for n in names]
+    return (self.packed and all(t is not None and _packable(t) for t in found)
+            and len({t.tensor_type for t in found}) == 1)
+
+  def check(self, name: str, want: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of GGUF tensor `name`, slowest dimension first, if it is `want`."""
+    if name not in self.by_name:
+      raise ValueError(f"{self.path}: required tensor {name!r} is missing")
+    got = tuple(int(x) for x in reversed(self.by_name[name].shape.tolist()))
+    if got != want:
+      raise ValueError(f"{self.path}: tensor {name!r} expected shape {want}, got {got}")
+    return got
+
+  def fetch(self, name: str, want: tuple[int, ...], keep: bool = False) -> np.ndarray:
+    """GGUF tensor `name` as float32 [out, in] (or [D]), or its rows of blocks; shape-checked."""
+    got, tensor = self.check(name, want), self.by_name[name]
+    # A copy either way: no weight views the file, whose map goes with the reader.
+    return np.array(tensor.data, np.uint8).reshape(got[0], -1) if keep else _dequantize(tensor)
+
+
+def _weights(tensors: _Tensors, config: LlamaConfig, shapes: dict[str, tuple[int, ...]],
+             interleaved: bool) -> dict[str, np.ndarray]:
+  """The canonical weights (see the module docstring) of a file whose shapes were checked.
+
+  ``interleaved``: q and k rows are in llama.cpp's pairwise RoPE order (Llama files,
+  not Gemma's), undone here.
+  """
+  # The embedding is [V, D], float or packed; lm_head [D, V] float or [V, R] packed.
+  weights = {"embed": tensors.fetch("token_embd.weight", shapes["embed"],
+                                    tensors.keep_packed(["token_embd.weight"])),
+             "final_norm": tensors.fetch("output_norm.weight", shapes["final_norm"])}
+  if not config.tie_embeddings:
+    keep = tensors.keep_packed(["output.weight"])
+    head = tensors.fetch("output.weight", shapes["lm_head"][::-1], keep)
+    weights["lm_head"] = head if keep else head.T.copy()
+
+  # Fill stacks layer by layer so peak memory stays near one copy.
+  for stem, key in _layer_tensors(config).items():
+    per_layer = shapes[key][1:]
+    names = [f"blk.{i}.{stem}.weight" for i in range(config.num_layers)]
+    keep = len(per_layer) == 2 and tensors.keep_packed(names)
+    for i, name in enumerate(names):
+      # GGUF matrices are [out, in] (canonical float ones [in, out]); RoPE rows
+      # are reordered before the transpose.
+      w = tensors.fetch(name, per_layer[::-1], keep)
+      if interleaved and stem == "attn_q":
+        w = unpermute_rope_rows(w, config.num_heads)
+      elif interleaved and stem == "attn_k":
+        w = unpermute_rope_rows(w, config.num_kv_heads)
+      w = w if keep else w.T
+      if i == 0:
+        weights[key] = np.empty((config.num_layers, *w.shape), w.dtype)
+      weights[key][i] = w
+  return weights
+
+
 def load_gguf(path: str | os.PathLike, *, packed: bool = False
               ) -> tuple[LlamaConfig, dict[str, np.ndarray], GGUFMetadata]:
   """Reads a Llama or Gemma 3 GGUF file into canonical weights (float32, or packed blocks).
@@ -440,62 +506,14 @@ def load_gguf(path: str | os.PathLike, *, packed: bool = False
   if meta.architecture not in ARCHITECTURES:
     raise ValueError(f"{path}: architecture {meta.architecture!r} is not supported; "
                      f"kvjax loads {' and '.join(repr(a) for a in ARCHITECTURES)} GGUF files")
-  tensors = {t.name: t for t in reader.tensors}
-  rope_freqs = _dequantize(tensors["rope_freqs.weight"]) if "rope_freqs.weight" in tensors else None
-  config = _config(meta, tensors, rope_freqs)
+  tensors = _Tensors(path, {t.name: t for t in reader.tensors}, packed)
+  by_name = tensors.by_name
+  rope_freqs = _dequantize(by_name["rope_freqs.weight"]) if "rope_freqs.weight" in by_name else None
+  config = _config(meta, by_name, rope_freqs)
   shapes = canonical_shapes(config)
-
-  def keep_packed(names: list[str]) -> bool:
-    """Whether to keep these tensors' blocks: one packable format for all (a stack's layers)."""
-    found = [tensors.get(n) for n in names]
-    return (packed and all(t is not None and _packable(t) for t in found)
-            and len({t.tensor_type for t in found}) == 1)
-
-  def check(name: str, want: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape of GGUF tensor `name`, slowest dimension first, if it is `want`."""
-    if name not in tensors:
-      raise ValueError(f"{path}: required tensor {name!r} is missing")
-    got = tuple(int(x) for x in reversed(tensors[name].shape.tolist()))
-    if got != want:
-      raise ValueError(f"{path}: tensor {name!r} expected shape {want}, got {got}")
-    return got
-
-  def fetch(name: str, want: tuple[int, ...], keep: bool = False) -> np.ndarray:
-    """GGUF tensor `name` as float32 [out, in] (or [D]), or its rows of blocks; shape-checked."""
-    got, tensor = check(name, want), tensors[name]
-    # A copy either way: no weight views the file, whose map goes with the reader.
-    return np.array(tensor.data, np.uint8).reshape(got[0], -1) if keep else _dequantize(tensor)
-
   # Every tensor's header agrees with the config before anything is allocated.
   for name, want in _stored_shapes(config, shapes):
-    check(name, want)
+    tensors.check(name, want)
   if not packed:  # (packed blocks take a fraction of that)
     config_lib.check_host_memory(config, path)
-  # The embedding is [V, D], float or packed; lm_head [D, V] float or [V, R] packed.
-  weights = {"embed": fetch("token_embd.weight", shapes["embed"],
-                            keep_packed(["token_embd.weight"])),
-             "final_norm": fetch("output_norm.weight", shapes["final_norm"])}
-  if not config.tie_embeddings:
-    keep = keep_packed(["output.weight"])
-    head = fetch("output.weight", shapes["lm_head"][::-1], keep)
-    weights["lm_head"] = head if keep else head.T.copy()
-
-  # Fill stacks layer by layer so peak memory stays near one copy.
-  interleaved = meta.architecture == "llama"  # llama.cpp's pairwise RoPE rows (not Gemma's)
-  for stem, key in _layer_tensors(config).items():
-    per_layer = shapes[key][1:]
-    names = [f"blk.{i}.{stem}.weight" for i in range(config.num_layers)]
-    keep = len(per_layer) == 2 and keep_packed(names)
-    for i, name in enumerate(names):
-      # GGUF matrices are [out, in] (canonical float ones [in, out]); RoPE rows
-      # are reordered before the transpose.
-      w = fetch(name, per_layer[::-1], keep)
-      if interleaved and stem == "attn_q":
-        w = unpermute_rope_rows(w, config.num_heads)
-      elif interleaved and stem == "attn_k":
-        w = unpermute_rope_rows(w, config.num_kv_heads)
-      w = w if keep else w.T
-      if i == 0:
-        weights[key] = np.empty((config.num_layers, *w.shape), w.dtype)
-      weights[key][i] = w
-  return config, weights, meta
+  return config, _weights(tensors, config, shapes, meta.architecture == "llama"), meta

@@ -15,8 +15,8 @@ Two layouts of the layers (``scan_layers``):
 Matrices are float (``[D_in, D_out]``; the embedding ``[V, D]``) or packed
 GGUF blocks (``[D_out, R]`` uint8, ``kvjax.kernels.quantized``; the embedding
 ``[V, R]``), as ``kvjax.load(..., packed=True)`` keeps them: ``matmul`` and
-``embed`` read either, the packed ones through the ambient backend's kernels
-(``kvjax.backend.use``).
+``embed`` read either, the packed ones through the kernels of the execution
+they are given (``kvjax.execution.Execution``).
 
 Attention is delegated to an ``attend`` function, which is how the paged cache
 (kvjax.cache) plugs in:
@@ -36,11 +36,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kvjax import backend as backend_lib
+from kvjax import execution
 from kvjax.kernels import quantized
 from kvjax.models import rope as rope_lib
 from kvjax.models.config import LlamaConfig
-from kvjax.sharding import collectives
+from kvjax.models.config import ShardingRules
 
 AttendFn = Callable[[Any, jax.Array, jax.Array, jax.Array, jax.Array], tuple[Any, jax.Array]]
 
@@ -50,20 +50,22 @@ def _dense(rngs: nnx.Rngs, d_in: int, d_out: int, dtype) -> nnx.Param:
   return nnx.Param(init(rngs.params(), (d_in, d_out), dtype))
 
 
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-  """x [..., D_in] times a layer matrix: float w [D_in, D_out], or packed rows [D_out, R]."""
+def matmul(x: jax.Array, w: jax.Array, ex: execution.Execution) -> jax.Array:
+  """x [..., D_in] times a layer matrix: float w [D_in, D_out], or packed rows [D_out, R]
+  (``ex``'s ``quantized_matmul``)."""
   if quantized.is_packed(w):
-    return backend_lib.get("quantized_matmul")(x, w).astype(x.dtype)
+    return ex.impl("quantized_matmul")(x, w).astype(x.dtype)
   return x @ w
 
 
-def embed(table: jax.Array, tokens: jax.Array, width: int, dtype) -> jax.Array:
+def embed(table: jax.Array, tokens: jax.Array, width: int, dtype,
+          ex: execution.Execution) -> jax.Array:
   """Rows of the embedding (float [V, D], or packed [V, R]) for tokens [B, T] -> [B, T, D]."""
   rows = table[tokens]
   if not quantized.is_packed(table):
     return rows
   flat = rows.reshape(-1, rows.shape[-1])
-  return backend_lib.get("dequantize")(flat, width).reshape(*tokens.shape, width).astype(dtype)
+  return ex.impl("dequantize")(flat, width).reshape(*tokens.shape, width).astype(dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -102,11 +104,11 @@ class DecoderLayer(nnx.Module):
     self.w_gate_up = _dense(rngs, d, 2 * f, dtype)
     self.w_down = _dense(rngs, f, d, dtype)
 
-  def qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
+  def qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array, ex: execution.Execution):
     """x [B, T, D] -> q [B, T, N, H], k and v [B, T, K, H], RoPE applied."""
     c = self.config
     b, t, _ = x.shape
-    qkv = matmul(x, self.wqkv[...])
+    qkv = matmul(x, self.wqkv[...], ex)
     if c.attention_bias:
       qkv = qkv + self.bqkv[...]
     q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -117,14 +119,14 @@ class DecoderLayer(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     return rope_lib.apply(q, cos, sin), rope_lib.apply(k, cos, sin), v
 
-  def __call__(self, x, cos, sin, state, layer, attend: AttendFn):
+  def __call__(self, x, cos, sin, state, layer, attend: AttendFn, ex: execution.Execution):
     b, t, _ = x.shape
-    q, k, v = self.qkv(self.attn_norm(x), cos, sin)
+    q, k, v = self.qkv(self.attn_norm(x), cos, sin, ex)
     state, attn = attend(state, layer, q, k, v)
     # On a mesh each model shard holds some heads and MLP columns: a partial sum.
-    x = x + collectives.model_sum(matmul(attn.reshape(b, t, -1), self.wo[...]))
-    gate, up = jnp.split(matmul(self.mlp_norm(x), self.w_gate_up[...]), 2, axis=-1)
-    x = x + collectives.model_sum(matmul(jax.nn.silu(gate) * up, self.w_down[...]))
+    x = x + ex.axes.model_sum(matmul(attn.reshape(b, t, -1), self.wo[...], ex))
+    gate, up = jnp.split(matmul(self.mlp_norm(x), self.w_gate_up[...], ex), 2, axis=-1)
+    x = x + ex.axes.model_sum(matmul(jax.nn.silu(gate) * up, self.w_down[...], ex))
     return x, state
 
 
@@ -146,6 +148,11 @@ class Llama(nnx.Module):
   """
 
   layer_class = DecoderLayer
+  # How a mesh's model axis splits the weights (kvjax.sharding.layout applies it):
+  # the fused q/k/v and gate/up columns by head and MLP column, the output and down
+  # projections by their input rows; the norms and embeddings are replicated.
+  sharding_rules = ShardingRules(head_columns=("wqkv", "bqkv"), mlp_columns=("w_gate_up",),
+                                 row_split=("wo", "w_down"))
 
   def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
                scan_layers: bool | None = None):
@@ -168,48 +175,52 @@ class Llama(nnx.Module):
     if not config.tie_embeddings:
       self.lm_head = _dense(rngs, config.hidden_size, config.vocab_size, dtype)
 
-  def __call__(self, tokens: jax.Array, positions: jax.Array, state: Any, attend: AttendFn):
+  def __call__(self, tokens: jax.Array, positions: jax.Array, state: Any, attend: AttendFn,
+               ex: execution.Execution | None = None):
     """Runs every layer.
 
     Args:
       tokens: [B, T] int32; positions: [B, T] int32 RoPE positions.
       state: threaded through ``attend`` (a PagedKVCache, or None).
+      ex: the execution of the packed weights' products and the mesh's sums
+        (None: ``kvjax.execution.ambient()``); ``attend`` brings its own.
 
     Returns:
       (hidden [B, T, D] after the final norm, state).
     """
-    x = self.embed_tokens(tokens)
+    ex = execution.of(ex)
+    x = self.embed_tokens(tokens, ex)
     cos, sin = self.rope_tables(positions)
     if not self.scan_layers:
       for i, layer in enumerate(self.layers):
-        x, state = layer(x, cos, sin, state, i, attend)
+        x, state = layer(x, cos, sin, state, i, attend, ex)
       return self.final_norm(x), state
     graphdef, stacked = nnx.split(self.layers)
 
     def body(carry, xs):
       x, state = carry
       layer_params, layer = xs
-      x, state = nnx.merge(graphdef, layer_params)(x, cos, sin, state, layer, attend)
+      x, state = nnx.merge(graphdef, layer_params)(x, cos, sin, state, layer, attend, ex)
       return (x, state), None
 
     layers = jnp.arange(self.config.num_layers)
     (x, state), _ = jax.lax.scan(body, (x, state), (stacked, layers))
     return self.final_norm(x), state
 
-  def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+  def embed_tokens(self, tokens: jax.Array, ex: execution.Execution) -> jax.Array:
     """tokens [B, T] -> the first layer's input [B, T, D]."""
     return embed(self.embed[...], tokens, self.config.hidden_size,
-                 self.final_norm.scale[...].dtype)
+                 self.final_norm.scale[...].dtype, ex)
 
   def rope_tables(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """positions [B, T] -> the (cos, sin) every layer receives, each [B, T, H]."""
     return rope_lib.cos_sin(self.config, positions)
 
-  def logits(self, hidden: jax.Array) -> jax.Array:
-    """hidden [..., D] -> float32 logits [..., V]."""
+  def logits(self, hidden: jax.Array, ex: execution.Execution | None = None) -> jax.Array:
+    """hidden [..., D] -> float32 logits [..., V] (``ex``: as for ``__call__``)."""
     table = self.embed[...] if self.config.tie_embeddings else self.lm_head[...]
     if quantized.is_packed(table):  # [V, R] rows either way
-      return backend_lib.get("quantized_matmul")(hidden, table)
+      return execution.of(ex).impl("quantized_matmul")(hidden, table)
     if self.config.tie_embeddings:
       # Contract the embedding's own D axis: written as embed.T, XLA:CPU
       # transposes the [V, D] matrix inside the product (docs/results/README.md,

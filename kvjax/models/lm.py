@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax import backend as backend_lib
+from kvjax import execution
 from kvjax import host_memory
 from kvjax.kernels import quantized
 from kvjax.models.config import Gemma3Config, LlamaConfig
@@ -97,14 +97,18 @@ class LanguageModel:
     return _forward(self.graphdef, self.params, tokens)
 
 
-@functools.partial(jax.jit, static_argnums=0)
 def _forward(graphdef, params, tokens):
+  # On CPU "auto" runs the native attention and packed products.
+  return _forward_with(graphdef, execution.create("auto"), params, tokens)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _forward_with(graphdef, ex, params, tokens):
   model = nnx.merge(graphdef, params)
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-  attend = reference_attend(model.config)  # causal; windowed on local layers
-  with backend_lib.use("auto"):  # on CPU: the native attention and packed products
-    hidden, _ = model(tokens, positions, None, attend)
-    return model.logits(hidden)
+  attend = reference_attend(model.config, ex)  # causal; windowed on local layers
+  hidden, _ = model(tokens, positions, None, attend, ex)
+  return model.logits(hidden, ex)
 
 
 def build_params(config: LlamaConfig, weights: Mapping[str, np.ndarray], dtype=jnp.float32,

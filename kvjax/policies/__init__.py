@@ -1,10 +1,14 @@
 """Eviction policies, selectable by name: ``kvjax.policies.get("full")``.
 
-One file per method (its paper, parameters and our choices open the file);
-the stages they share live in ``scoring`` (token scores, the observation
-window's ``WindowScorer``), ``selection`` (keep masks, segments, budgets),
-``delimiters`` (cut points from token text) and ``fields`` (the shared
-hyper-parameters as dataclass mixins).
+One file per method (its paper, parameters and our choices open the file,
+its formula is its ``score``). A policy is a layout (``layout.Layout``: slots
+per layer and KV head), a scorer (``score``), a selector (``keep``) and a
+decode rule (``decode``: nothing, evict a token, evict a page); see
+``base``. The stages they share live in ``scoring`` (token scores, the
+observation window's ``WindowScorer``), ``selection`` (keep masks, segments,
+budgets), ``delimiters`` (cut points from token text), ``fields`` (the shared
+hyper-parameters as dataclass mixins) and ``gates`` (Duo's trained gates on
+disk).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from kvjax.policies.duo import Duo
 from kvjax.policies.dynsplit import DynSplitKV
 from kvjax.policies.h2o import H2O
 from kvjax.policies.knorm import KNorm
+from kvjax.policies.layout import Layout
 from kvjax.policies.paged_eviction import PagedEviction
 from kvjax.policies.pyramidkv import PyramidKV
 from kvjax.policies.sablock import SABlock
@@ -104,6 +109,7 @@ __all__ = [
     "Full",
     "H2O",
     "KNorm",
+    "Layout",
     "PagedEviction",
     "Policy",
     "PyramidKV",

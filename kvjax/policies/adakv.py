@@ -40,16 +40,18 @@ head of a layer at once).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import ClassVar
 
 import jax.numpy as jnp
 
 from kvjax.cache.paged import round_up
+from kvjax.policies import layout as layout_lib
 from kvjax.policies import selection
 from kvjax.policies.base import Full
 from kvjax.policies.base import Policy
-from kvjax.policies.base import sized_field
+from kvjax.policies.base import keep_by
 from kvjax.policies.dynsplit import DynSplitKV
 from kvjax.policies.snapkv import SnapKV
 
@@ -63,8 +65,6 @@ class AdaKV(Policy):
   inner: Policy = SnapKV()  # kvjax.policies.get takes its name too: get("adakv", inner="sablock")
   floor: float = 0.2
   window: int = 0  # the inner policy's observation window; 0 = its own
-  page_size: int = sized_field()  # the cache's (for_cache); 0: one slot per page
-  grow: int = sized_field()  # entries each head takes after prefill (for_cache)
 
   def __post_init__(self):
     inner = self.inner
@@ -99,12 +99,6 @@ class AdaKV(Policy):
   def validate(self, budget):
     self.inner.validate(budget)
 
-  def layer_budgets(self, budget, prompt_len, num_layers):
-    return self.inner.layer_budgets(budget, prompt_len, num_layers)
-
-  def for_cache(self, *, page_size, grow):
-    return dataclasses.replace(self, page_size=page_size, grow=grow)
-
   def head_floor(self, budget):
     """Entries every head keeps at least (an int, or a traced scalar for a traced budget)."""
     share = self.floor * budget
@@ -113,55 +107,55 @@ class AdaKV(Policy):
       return min(budget, max(reserved, math.ceil(share)))
     return jnp.minimum(budget, jnp.maximum(reserved, jnp.ceil(share).astype(jnp.int32)))
 
-  def capacity(self, **sizes):
-    raise ValueError("policy 'adakv' sizes its cache from the number of KV heads "
-                     "(cache_layout): kvjax.generate and the eval run it; the benchmark's "
-                     "per-head cache does not")
+  def head_pages(self, budget, page_size: int, grow: int):
+    """(pages of a head of the inner policy, pages of a head at the floor) for a budget,
+    each head taking ``grow`` entries after prefill."""
+    return -(-(budget + grow) // page_size), -(-(self.head_floor(budget) + grow) // page_size)
 
-  def cache_layout(self, num_kv_heads, *, budget, prompt_len, extra_tokens, max_new_tokens,
-                   page_size, num_layers):
+  def layout(self, budget, *, prompt_len, extra_tokens, max_new_tokens, page_size,
+             num_kv_heads, windows):
     """The pool holds the inner policy's pages; a head may take all of its layer's
     pages but the other heads' floors."""
-    k, sized = num_kv_heads, self.for_cache(page_size=page_size,
-                                            grow=extra_tokens + max_new_tokens)
-    budgets = self.layer_budgets(budget, prompt_len, num_layers)
-    pages = [sized.head_pages(b) for b in budgets]
+    sizes = dict(prompt_len=prompt_len, extra_tokens=extra_tokens,
+                 max_new_tokens=max_new_tokens, page_size=page_size,
+                 num_kv_heads=num_kv_heads, windows=windows)
+    inner = self.inner.layout(budget, **sizes)
+    kept = tuple(inner.budgets[l] for l in inner.global_layers)
+    k, grow = num_kv_heads, extra_tokens + max_new_tokens
+    pages = [self.head_pages(b, page_size, grow) for b in kept]
     capacity = tuple((k * p - (k - 1) * f) * page_size for p, f in pages)
-    return capacity, sum(k * p for p, _ in pages)
+    return layout_lib.with_rings(budget, kept, capacity, sum(k * p for p, _ in pages), **sizes)
 
-  def head_pages(self, budget):
-    """(pages of a head of the inner policy, pages of a head at the floor) for a budget."""
-    size = self.page_size or 1
-    return -(-(budget + self.grow) // size), -(-(self.head_floor(budget) + self.grow) // size)
+  def score(self, ex, prompt, q, k, v):
+    return self.inner.score(ex, prompt, q, k, v)
 
-  def score(self, prompt, q, k, v):
-    return self.inner.score(prompt, q, k, v)
-
-  def head_split(self, scores, budget, max_budget: int):
+  def head_split(self, layout, scores, budget, max_budget: int):
     """(each head's budget [B, K], their static bound) from the inner policy's scores
-    [B, K, T] and the layer's budget per head."""
-    kh, size, grow = scores.shape[1], self.page_size or 1, self.grow
-    pages, floor_pages = self.head_pages(budget)
+    [B, K, T] and the layer's budget per head, in whole pages of ``layout``."""
+    kh, size, grow = scores.shape[1], layout.page_size, layout.grow
+    pages, floor_pages = self.head_pages(budget, size, grow)
     max_total = kh * (round_up(max_budget + grow, size) - grow)
     tokens = selection.head_budgets(scores, kh * (pages * size - grow),
                                     floor_pages * size - grow, max_total)
     return selection.whole_pages(tokens, kh * pages, size, grow), max_total
-
-  def keep(self, scores, prompt, budget, max_budget):
-    return self.inner.keep(scores, prompt, *self.head_split(scores, budget, max_budget))
 
   # DynSplit-KV chooses its blocks in its own select; it takes the split there.
   @property
   def needs_every_layer(self):
     return self.inner.needs_every_layer
 
-  def select(self, budget, layer_budgets):
+  def select(self, ex, layout, layer_scores=None):
+    split = functools.partial(self.head_split, layout)
     if isinstance(self.inner, DynSplitKV):
-      return self.inner.select(budget, layer_budgets, head_split=self.head_split)
-    return super().select(budget, layer_budgets)
+      return self.inner.select(ex, layout, head_split=split)
 
-  def select_recorded(self, budget, layer_budgets, prompt, recorded):
+    def keep(ex, scores, prompt, budget, max_budget):
+      return self.inner.keep(ex, scores, prompt, *split(scores, budget, max_budget))
+
+    return keep_by(self, ex, layout, keep, layer_scores)
+
+  def select_recorded(self, ex, layout, prompt, recorded):
     if isinstance(self.inner, DynSplitKV):
-      return self.inner.select_recorded(budget, layer_budgets, prompt, recorded,
-                                        head_split=self.head_split)
-    return super().select_recorded(budget, layer_budgets, prompt, recorded)
+      return self.inner.select_recorded(ex, layout, prompt, recorded,
+                                        head_split=functools.partial(self.head_split, layout))
+    return super().select_recorded(ex, layout, prompt, recorded)

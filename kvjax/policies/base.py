@@ -1,13 +1,24 @@
-"""What every eviction policy provides to generation.
+"""What every eviction policy provides to generation: a layout, a scorer, a selector
+and a decode rule.
 
 A policy is a frozen dataclass (hashable, so jit treats it as static): its
-fields are its hyper-parameters. It says how many entries each layer keeps for
-a static budget, which prompt tokens to keep at prefill (a ``select`` function
-handed to the cache's attention entry point) and what to do before each decode
-step. Policies compose the shared stages of ``scoring`` (how important each
-token is) and ``selection`` (which tokens a head keeps); ``fields`` holds the
-hyper-parameters several policies share (the observation window, delimiter
-tokens) as dataclass mixins.
+fields are its hyper-parameters. Its four parts:
+
+  layout(budget, **sizes)               how many slots each (layer, KV head) holds
+                                        and how its heads share pages (``Layout``)
+  score(ex, prompt, q, k, v)            the scorer: token scores [B, K, T], higher = keep
+  keep(ex, scores, prompt, budget, m)   the selector: a keep mask [B, K, T] under the budget
+  decode                                the decode rule (``decode.Keep``, ``EvictToken``, ...)
+
+and two checks: ``reserved`` (entries always kept: the budget must exceed them)
+and ``bind`` (what it needs from the tokenizer). Those six are what a policy
+author overrides; ``select``, ``select_recorded`` and ``before_decode_step``
+compose them for generation. Policies build on the shared stages of
+``scoring`` and ``selection``; ``fields`` holds the hyper-parameters several
+policies share (the observation window, delimiter tokens) as mixins.
+
+Every method that traces takes ``ex`` (``kvjax.execution.Execution``): kernel
+ops run as ``ex.impl(op)`` and reductions over KV heads as ``ex.axes.*``.
 """
 
 from __future__ import annotations
@@ -20,26 +31,19 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache import attention as attention_lib
-from kvjax.cache.paged import PagedKVCache, round_up
+from kvjax.cache.paged import PagedKVCache
+from kvjax.policies import decode as decode_lib
+from kvjax.policies import layout as layout_lib
 from kvjax.policies import selection
-
-# Metadata of the fields generation fills in (``Policy.for_cache``): not set by
-# users, not recorded among a row's settings.
-SIZED = {"sized_by_generation": True}
-
-
-def sized_field() -> dataclasses.Field:
-  """A field ``for_cache`` sets (0: not sized yet)."""
-  return dataclasses.field(default=0, metadata=SIZED)
+from kvjax.policies.layout import Layout
 
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-  """Base class. Subclasses set ``name`` and override what they change."""
+  """Base class. Subclasses set ``name`` and override what they change (of the six
+  members the module docstring lists)."""
 
   name: ClassVar[str] = ""
-  # Evicts during decode so the cache never grows past its budget.
-  evicts_during_decode: ClassVar[bool] = False
   # Keeps, per slot, the attention it received (cache.scores), updated each decode step.
   accumulates_attention: ClassVar[bool] = False
   # Its runs at several budgets over one recorded prompt can share its scores
@@ -89,14 +93,65 @@ class Policy:
                        f"(ints >= 0), got {ids!r}")
     object.__setattr__(self, field, tuple(ids))
 
-  # Entries that are always kept and count against the budget (sinks + window).
+  # ---------------------------------------------------------------- the six hooks
+
   def reserved(self) -> int:
+    """Entries that are always kept and count against the budget (sinks + window)."""
     return 0
 
   def bind(self, tokenizer) -> "Policy":
     """This policy with what it needs from the tokenizer filled in (default: itself)."""
     del tokenizer
     return self
+
+  def layout(self, budget: int | None, *, prompt_len: int, extra_tokens: int,
+             max_new_tokens: int, page_size: int, num_kv_heads: int,
+             windows: tuple[int, ...]) -> Layout:
+    """The run's cache: every global layer keeps ``budget`` per KV head, then takes
+    the question (``extra_tokens``, appended uncompressed) and what the decode
+    rule lets it grow by; sliding-window layers (``windows`` > 0) are rings.
+
+    Raises:
+      ValueError: a model without global layers, or a window of part pages.
+    """
+    kept = (budget,) * layout_lib.num_global(windows)
+    return layout_lib.uniform(kept, budget, growth=self.decode.growth(max_new_tokens),
+                              prompt_len=prompt_len, extra_tokens=extra_tokens,
+                              max_new_tokens=max_new_tokens, page_size=page_size,
+                              num_kv_heads=num_kv_heads, windows=windows)
+
+  def score(self, ex, prompt: attention_lib.Prompt, q, k, v) -> jax.Array:
+    """Token scores [B, K, T], higher = keep; -inf on padding.
+
+    q [B, T, N, H], k and v [B, T, K, H] as the layer computed them (RoPE applied).
+    """
+    raise NotImplementedError
+
+  def keep(self, ex, scores, prompt, budget, max_budget: int) -> jax.Array:
+    """Keep mask [B, K, T] from scores (default: top ``budget`` per head).
+
+    ``budget``: a traced scalar (the layer's) or one per head [B, K];
+    ``max_budget``: its static bound.
+    """
+    del ex, prompt
+    return selection.keep_top(scores, budget, max_budget)
+
+  @property
+  def decode(self) -> decode_lib.Keep:
+    """What happens before each decode step (default: nothing)."""
+    return decode_lib.Keep()
+
+  # ---------------------------------------------------------------- derived
+
+  @property
+  def evicts_during_decode(self) -> bool:
+    """Evicts during decode, so the cache never grows past its budget."""
+    return self.decode.evicts
+
+  @property
+  def needs_every_layer(self) -> bool:
+    """Its prefill needs every layer's q and k before any layer keeps (``select_recorded``)."""
+    return False
 
   def validate(self, budget: int | None) -> None:
     """Raises ValueError for a budget this policy cannot honour."""
@@ -119,49 +174,18 @@ class Policy:
       raise ValueError(f"prefill_chunk {chunk} must hold policy {self.name!r}'s observation "
                        f"window of {window} tokens")
 
-  def layer_budgets(self, budget: int, prompt_len: int, num_layers: int) -> tuple[int, ...]:
-    """Entries each layer keeps after prefill (default: the budget everywhere)."""
-    del prompt_len
-    return (budget,) * num_layers
+  def select(self, ex, layout: Layout,
+             layer_scores: jax.Array | None = None) -> attention_lib.SelectFn:
+    """The prefill keep rule: select(layer, prompt, q, k, v) -> (slots, slot scores | None).
 
-  def capacity(self, *, budget: int | None, prompt_len: int, extra_tokens: int,
-               max_new_tokens: int, page_size: int, num_layers: int):
-    """Slots per layer (a multiple of page_size).
-
-    ``extra_tokens`` are appended after compression without being compressed
-    (the question, in query-agnostic mode).
+    Scores each layer (``score``) and keeps under its budget (``keep``); a
+    ring layer keeps its window whatever select keeps there.
+    ``layer_scores``: [L, B, K, T] this policy's ``score`` of every layer,
+    computed once for several budgets (``shares_scores``); None: scored here.
     """
-    budgets = self.layer_budgets(budget, prompt_len, num_layers)
-    grow = 0 if self.evicts_during_decode else max_new_tokens
-    return tuple(round_up(b + extra_tokens + grow, page_size) for b in budgets)
+    return keep_by(self, ex, layout, self.keep, layer_scores)
 
-  def for_cache(self, *, page_size: int, grow: int) -> "Policy":
-    """This policy for a cache of ``page_size``-slot pages whose heads each take
-    ``grow`` entries after prefill (the appended question and the new tokens).
-
-    Default: itself. A policy whose heads share a layer's pages unevenly
-    (AdaKV, Duo) gives each head whole pages, which takes both sizes.
-    """
-    del page_size, grow
-    return self
-
-  def cache_layout(self, num_kv_heads: int, **sizes) -> tuple[tuple[int, ...], int | None]:
-    """(slots per KV head of each layer, the pool's pages per sequence) of a run's cache.
-
-    ``sizes`` are ``capacity``'s arguments. The default gives every head its
-    capacity and the pool every head's pages (None); a policy whose heads share
-    a layer's budget (AdaKV) sizes both from the number of KV heads.
-    """
-    del num_kv_heads
-    return self.capacity(**sizes), None
-
-  @property
-  def needs_every_layer(self) -> bool:
-    """Its prefill needs every layer's q and k before any layer keeps (``select_recorded``)."""
-    return False
-
-  def select_recorded(self, budget: int | None, layer_budgets: tuple[int, ...], prompt,
-                      recorded) -> attention_lib.SelectFn:
+  def select_recorded(self, ex, layout: Layout, prompt, recorded) -> attention_lib.SelectFn:
     """The keep rule when the prompt's forward was recorded first (default: ``select``).
 
     Args:
@@ -169,57 +193,34 @@ class Policy:
       recorded: (q [L, B, T, N, H], k [L, B, T, K, H], v [L, B, T, K, H]).
     """
     del prompt, recorded
-    return self.select(budget, layer_budgets)
+    return self.select(ex, layout)
 
-  def select(self, budget: int | None, layer_budgets: tuple[int, ...],
-             layer_scores: jax.Array | None = None) -> attention_lib.SelectFn:
-    """The prefill keep rule: select(layer, prompt, q, k, v) -> (slots, slot scores | None).
-
-    ``layer_budgets`` has one entry per layer, 0 on a sliding-window layer
-    (a ring, which keeps its window whatever select keeps there).
-    ``layer_scores``: [L, B, K, T] this policy's ``score`` of every layer,
-    computed once for several budgets (``shares_scores``); None: scored here.
-    """
-    max_budget = max(layer_budgets)
-    table = jnp.asarray(layer_budgets, jnp.int32)
-
-    def select(layer, prompt, q, k, v):
-      scores = self.score(prompt, q, k, v) if layer_scores is None else layer_scores[layer]
-      keep = self.keep(scores, prompt, table[layer], max_budget)
-      slots = selection.slots_from_keep(keep)
-      return slots, (scores if self.accumulates_attention else None)
-
-    return select
-
-  def score(self, prompt: attention_lib.Prompt, q, k, v) -> jax.Array:
-    """Token scores [B, K, T], higher = keep; -inf on padding."""
-    raise NotImplementedError
-
-  def keep(self, scores, prompt, budget, max_budget: int) -> jax.Array:
-    """Keep mask [B, K, T] from scores (default: top ``budget`` per head)."""
-    del prompt
-    return selection.keep_top(scores, budget, max_budget)
-
-  def evict_slot(self, cache: PagedKVCache, positions: jax.Array) -> jax.Array:
-    """The slot each head gives up when full, [B, L, K] (decode-evicting policies)."""
-    raise NotImplementedError
-
-  def before_decode_step(self, cache: PagedKVCache, limit: jax.Array, positions: jax.Array,
+  def before_decode_step(self, ex, cache: PagedKVCache, limit: jax.Array, positions: jax.Array,
                          question: jax.Array | None = None) -> PagedKVCache:
-    """Runs before each decode step's append.
+    """Runs the decode rule before each decode step's append.
 
     Args:
       limit: [B, L, K] entries a head may hold (decode-evicting policies evict
-        one token from each head at the limit, so the append keeps it there).
+        from each head at the limit, so the append keeps it there).
       positions: [B] position of the token about to be appended.
       question: [B, 2] positions [start, end) of the question, or None
         (page eviction never takes a page holding one of them).
     """
-    del question
-    if not self.evicts_during_decode:
-      return cache
-    full = cache.lengths >= limit
-    return cache.remove(jnp.where(full, self.evict_slot(cache, positions), -1))
+    return self.decode.before_step(ex, cache, limit, positions, question)
+
+
+def keep_by(policy: Policy, ex, layout: Layout, keep, layer_scores=None) -> attention_lib.SelectFn:
+  """The select function that scores with ``policy.score`` and keeps by
+  ``keep(ex, scores, prompt, budget, max_budget)`` under the layout's budgets."""
+  max_budget = layout.max_budget
+  table = jnp.asarray(layout.selected, jnp.int32)
+
+  def select(layer, prompt, q, k, v):
+    scores = policy.score(ex, prompt, q, k, v) if layer_scores is None else layer_scores[layer]
+    slots = selection.slots_from_keep(keep(ex, scores, prompt, table[layer], max_budget))
+    return slots, (scores if policy.accumulates_attention else None)
+
+  return select
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,11 +233,15 @@ class Full(Policy):
     if budget is not None:
       raise ValueError(f"the full policy keeps every token; budget must be None, got {budget}")
 
-  def layer_budgets(self, budget, prompt_len, num_layers):
-    return (prompt_len,) * num_layers
+  def layout(self, budget, *, prompt_len, extra_tokens, max_new_tokens, page_size,
+             num_kv_heads, windows):
+    kept = (prompt_len,) * layout_lib.num_global(windows)
+    return layout_lib.uniform(kept, budget, growth=max_new_tokens, prompt_len=prompt_len,
+                              extra_tokens=extra_tokens, max_new_tokens=max_new_tokens,
+                              page_size=page_size, num_kv_heads=num_kv_heads, windows=windows)
 
-  def select(self, budget, layer_budgets):
-    del budget, layer_budgets
+  def select(self, ex, layout, layer_scores=None):
+    del layout, layer_scores
 
     def select(layer, prompt, q, k, v):
       return attention_lib.keep_all(layer, prompt, q, k, v), None

@@ -32,7 +32,6 @@ import jax.numpy as jnp
 from kvjax.policies import selection
 from kvjax.policies.base import Policy
 from kvjax.policies.fields import WindowFields
-from kvjax.sharding import collectives
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +51,12 @@ class ChunkKV(WindowFields, Policy):
     if budget < self.chunk_length:
       raise ValueError(f"budget {budget} is below one chunk of {self.chunk_length} tokens")
 
-  def keep(self, scores, prompt, budget, max_budget):
+  def keep(self, ex, scores, prompt, budget, max_budget):
     b, kh, t = scores.shape
     c = self.chunk_length
     num_chunks = -(-t // c)
     valid = jnp.arange(t)[None] < prompt.lengths[:, None]  # [B, T]
-    summed = jnp.where(valid, collectives.heads_sum(scores, 1), 0.0)  # [B, T], over KV heads
+    summed = jnp.where(valid, ex.axes.heads_sum(scores, 1), 0.0)  # [B, T], over KV heads
     pad = num_chunks * c - t
     chunk_sum = jnp.pad(summed, ((0, 0), (0, pad))).reshape(b, num_chunks, c).sum(-1)
     chunk_len = jnp.pad(valid, ((0, 0), (0, pad))).reshape(b, num_chunks, c).sum(-1)

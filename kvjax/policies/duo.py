@@ -17,7 +17,7 @@ prompt keeps it all.
 
 Parameters:
   gates    "smollm2-135m-instruct"  shipped gates of that model, or a directory
-                                    written by ``kvjax.retrieval_heads.save_gates``
+                                    written by ``kvjax.retrieval_heads.save_gates`` (read by ``policies.gates``)
   n_sink   4    first tokens every head keeps (StreamingLLM's)
   recent   60   recent tokens of a streaming head
 
@@ -36,25 +36,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import ClassVar
 
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.policies import gates as gates_lib
+from kvjax.policies import layout as layout_lib
 from kvjax.policies import selection
 from kvjax.policies.base import Policy
-from kvjax.policies.base import sized_field
 from kvjax.policies.streaming_llm import StreamingLLM
 
 
 @functools.lru_cache(maxsize=8)
 def _load(gates: str) -> np.ndarray:
   """The gates [L, K] of a shipped model's name or a gates directory."""
-  import os
-
-  from kvjax.retrieval_heads import gates_io  # orbax: only when a duo run starts
-  path = gates if os.path.isdir(gates) else gates_io.shipped_gates_path(gates)
-  values, _ = gates_io.load_gates(path)
+  path = gates if os.path.isdir(gates) else gates_lib.shipped_gates_path(gates)
+  values, _ = gates_lib.load_gates(path)
   return np.asarray(values, np.float32)
 
 
@@ -67,8 +66,6 @@ class Duo(Policy):
   gates: str = "smollm2-135m-instruct"
   n_sink: int = 4
   recent: int = 60
-  page_size: int = sized_field()  # the cache's (for_cache); 0: one slot per page
-  grow: int = sized_field()  # entries each head takes after prefill (for_cache)
 
   def __post_init__(self):
     if not isinstance(self.gates, str) or not self.gates:
@@ -77,9 +74,6 @@ class Duo(Policy):
     self._check_int("n_sink", 0)
     self._check_int("recent", 1)
 
-  def for_cache(self, *, page_size, grow):
-    return dataclasses.replace(self, page_size=page_size, grow=grow)
-
   def reserved(self):
     return self.n_sink
 
@@ -87,18 +81,18 @@ class Duo(Policy):
     """float32 [L, K] gates, checked against the model's shape (L: its global layers)."""
     gates = _load(self.gates)
     if gates.shape != (num_layers, num_kv_heads):
-      from kvjax.retrieval_heads import gates_io  # pylint: disable=g-import-not-at-top
       raise ValueError(f"policy 'duo': gates {self.gates!r} are for {gates.shape[0]} layers x "
                        f"{gates.shape[1]} KV heads; this model has {num_layers} (global) x "
-                       f"{num_kv_heads}. kvjax ships gates for {gates_io.shipped()} "
+                       f"{num_kv_heads}. kvjax ships gates for {gates_lib.shipped()} "
                        "(duo:gates=NAME), or train them: python -m kvjax.retrieval_heads")
     return gates
 
-  def head_budgets(self, budget: int, prompt_len: int, num_layers: int,
-                   num_kv_heads: int) -> np.ndarray:
-    """int [L, K] entries each head keeps, in whole pages that sum to what every head
-    at ``budget`` would hold."""
-    size, grow, t = self.page_size or 1, self.grow, prompt_len
+  def head_budgets(self, budget: int, prompt_len: int, num_layers: int, num_kv_heads: int, *,
+                   page_size: int, grow: int) -> np.ndarray:
+    """int [L, K] entries each head keeps, in whole pages of ``page_size`` (each head
+    taking ``grow`` entries after prefill) that sum to what every head at ``budget``
+    would hold."""
+    size, t = page_size, prompt_len
     pages = lambda n: -(-(n + grow) // size)
     gates = self.gate_table(num_layers, num_kv_heads).ravel()
     stream, whole = pages(min(budget, self.n_sink + self.recent)), pages(t)
@@ -110,31 +104,33 @@ class Duo(Policy):
       left -= more
     return np.minimum(head_pages * size - grow, t).reshape(num_layers, num_kv_heads)
 
-  def capacity(self, **sizes):
-    raise ValueError("policy 'duo' gives every KV head its own size (cache_layout): "
-                     "kvjax.generate and the eval run it; the benchmark's cache does not")
-
-  def cache_layout(self, num_kv_heads, *, budget, prompt_len, extra_tokens, max_new_tokens,
-                   page_size, num_layers):
-    sized = self.for_cache(page_size=page_size, grow=extra_tokens + max_new_tokens)
-    kept = sized.head_budgets(budget, prompt_len, num_layers, num_kv_heads)
+  def layout(self, budget, *, prompt_len, extra_tokens, max_new_tokens, page_size,
+             num_kv_heads, windows):
+    """Every global layer's heads sized by their gates (a capacity per head); no pool."""
     grow = extra_tokens + max_new_tokens
+    kept = self.head_budgets(budget, prompt_len, layout_lib.num_global(windows), num_kv_heads,
+                             page_size=page_size, grow=grow)
     capacity = -(-(kept + grow) // page_size) * page_size
-    return tuple(tuple(int(c) for c in row) for row in capacity), None
+    return layout_lib.with_rings(
+        budget, (budget,) * len(kept), tuple(tuple(int(c) for c in row) for row in capacity),
+        None, prompt_len=prompt_len, extra_tokens=extra_tokens, max_new_tokens=max_new_tokens,
+        page_size=page_size, num_kv_heads=num_kv_heads, windows=windows)
 
-  def score(self, prompt, q, k, v):
-    return StreamingLLM(n_sink=self.n_sink).score(prompt, q, k, v)
+  def score(self, ex, prompt, q, k, v):
+    return StreamingLLM(n_sink=self.n_sink).score(ex, prompt, q, k, v)
 
-  def select(self, budget, layer_budgets):
-    # The gates cover the global layers (budget > 0); a ring layer keeps its window.
-    global_layers = [l for l, b in enumerate(layer_budgets) if b]
+  def select(self, ex, layout, layer_scores=None):
+    # The gates cover the global layers; a ring layer keeps its window.
+    del layer_scores
+    global_layers = list(layout.global_layers)
 
     def select(layer, prompt, q, k, v):
       b, t, kh, _ = k.shape
-      table = np.zeros((len(layer_budgets), kh), np.int32)
-      table[global_layers] = self.head_budgets(budget, t, len(global_layers), kh)
+      table = np.zeros((len(layout.windows), kh), np.int32)
+      table[global_layers] = self.head_budgets(layout.budget, t, len(global_layers), kh,
+                                               page_size=layout.page_size, grow=layout.grow)
       budgets = jnp.broadcast_to(jnp.asarray(table)[layer], (b, kh))
-      keep = selection.keep_top(self.score(prompt, q, k, v), budgets, int(table.max()))
+      keep = selection.keep_top(self.score(ex, prompt, q, k, v), budgets, int(table.max()))
       return selection.slots_from_keep(keep), None
 
     return select

@@ -49,7 +49,6 @@ from typing import ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kvjax import backend as backend_lib
 from kvjax.policies import delimiters
 from kvjax.policies import selection
 from kvjax.policies.base import Policy
@@ -99,33 +98,35 @@ class DynSplitKV(DelimiterFields, WindowFields, Policy):
   def needs_every_layer(self) -> bool:
     return self.shared_split
 
-  def select(self, budget, layer_budgets, head_split=None):
+  def select(self, ex, layout, layer_scores=None, head_split=None):
     """The prefill keep rule. ``head_split(scores, budget, max_budget)``, if given, turns
     the layer's budget into one per head, [B, K], and their static bound (AdaKV)."""
+    del layer_scores  # not shares_scores: generation never passes them
     if self.shared_split:
       raise ValueError(f"policy {self.name!r} with shared_split=True splits once from every "
                        "layer's density: its prefill needs them all first (kvjax.generate "
                        "records the prompt's forward pass, then selects: select_recorded)")
-    return self._select(layer_budgets, lambda prompt, q, k, density: self.split(prompt, density),
+    return self._select(ex, layout,
+                        lambda prompt, q, k, density: self.split(ex, prompt, density),
                         head_split)
 
-  def select_recorded(self, budget, layer_budgets, prompt, recorded, head_split=None):
+  def select_recorded(self, ex, layout, prompt, recorded, head_split=None):
     if not self.shared_split:
-      return self.select(budget, layer_budgets, head_split)
+      return self.select(ex, layout, head_split=head_split)
     q_all, k_all, _ = recorded  # [L, B, T, N, H], [L, B, T, K, H]
-    density = jax.lax.map(lambda qk: self.scorer.prefix_scores(*qk, prompt.lengths)[1],
+    density = jax.lax.map(lambda qk: self.scorer.prefix_scores(ex, *qk, prompt.lengths)[1],
                           (q_all, k_all))  # [L, B, T]
-    starts, sizes = self.split(prompt, density.mean(0))
-    return self._select(layer_budgets, lambda *_: (starts, sizes), head_split)
+    starts, sizes = self.split(ex, prompt, density.mean(0))
+    return self._select(ex, layout, lambda *_: (starts, sizes), head_split)
 
-  def _select(self, layer_budgets, split, head_split):
+  def _select(self, ex, layout, split, head_split):
     """The select function; ``split(prompt, q, k, density)`` gives the layer's blocks."""
-    max_budget = max(layer_budgets)
-    table = jnp.asarray(layer_budgets, jnp.int32)
+    max_budget = layout.max_budget
+    table = jnp.asarray(layout.selected, jnp.int32)
 
     def select(layer, prompt, q, k, v):
       del v
-      scores, density = self.scorer.prefix_scores(q, k, prompt.lengths)
+      scores, density = self.scorer.prefix_scores(ex, q, k, prompt.lengths)
       starts, sizes = split(prompt, q, k, density)
       budget, bound = table[layer], max_budget
       if head_split is not None:
@@ -135,22 +136,22 @@ class DynSplitKV(DelimiterFields, WindowFields, Policy):
 
     return select
 
-  def plan(self, prompt, q, k, budget, max_budget: int) -> Plan:
+  def plan(self, ex, prompt, q, k, budget, max_budget: int) -> Plan:
     """Scores, splits and selects for one layer (q [B, T, N, H], k [B, T, K, H])."""
-    scores, density = self.scorer.prefix_scores(q, k, prompt.lengths)
-    return self.plan_from_scores(scores, density, prompt, budget, max_budget)
+    scores, density = self.scorer.prefix_scores(ex, q, k, prompt.lengths)
+    return self.plan_from_scores(ex, scores, density, prompt, budget, max_budget)
 
-  def plan_from_scores(self, scores, density, prompt, budget, max_budget: int) -> Plan:
+  def plan_from_scores(self, ex, scores, density, prompt, budget, max_budget: int) -> Plan:
     """The split and the selection from token scores [B, K, T] and density [B, T]."""
-    starts, sizes = self.split(prompt, density)
+    starts, sizes = self.split(ex, prompt, density)
     return self.plan_from_blocks(scores, starts, sizes, prompt, budget, max_budget)
 
-  def split(self, prompt, density: jax.Array) -> tuple[jax.Array, jax.Array]:
+  def split(self, ex, prompt, density: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Blocks (starts, sizes [B, NB] int32) of the prefix where density [B, T] drops."""
     t = density.shape[-1]
     prefix, _ = selection.regions(prompt.lengths, t, self.window)
     candidate = self.is_delimiter(prompt.tokens) & prefix
-    return backend_lib.get("dynamic_split")(
+    return ex.impl("dynamic_split")(
         jnp.where(prefix, density, 0.0), candidate, jnp.maximum(prompt.lengths - self.window, 0),
         chunk=self.chunk, delta=self.delta, alpha=float(self.alpha))
 

@@ -46,9 +46,9 @@ class WindowFields:
   def reserved(self):
     return self.window
 
-  def score(self, prompt, q, k, v):
+  def score(self, ex, prompt, q, k, v):
     del v
-    return self.scorer.scores(q, k, prompt.lengths)
+    return self.scorer.scores(ex, q, k, prompt.lengths)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,7 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
+from kvjax.policies import decode
 from kvjax.policies import scoring
 from kvjax.policies import selection
 from kvjax.policies.base import Policy
@@ -37,7 +38,6 @@ class H2O(Policy):
 
   name: ClassVar[str] = "h2o"
   chunked_prefill: ClassVar[bool] = False  # scores with every prompt query
-  evicts_during_decode: ClassVar[bool] = True
   accumulates_attention: ClassVar[bool] = True
   shares_scores: ClassVar[bool] = True  # its score is a second attention pass
   recent: int = 32  # most recent tokens always kept (H2O's recent window)
@@ -50,16 +50,25 @@ class H2O(Policy):
   def reserved(self):
     return self.recent
 
-  def score(self, prompt, q, k, v):
+  @property
+  def decode(self):
+    return decode.EvictToken(self.evict_slot)
+
+  def score(self, ex, prompt, q, k, v):
+    """s[b, h, t] = reduce_{n in group h} sum_{i >= t} softmax_t(q[b, i, n] . k[b, :, h] /
+    sqrt(H)): the attention key t receives from every prompt query, [B, K, T]."""
+    del ex
     acc = scoring.accumulated_attention(q, k, prompt.lengths, group=self.group)
     # The recent window is kept by selection, but the stored score stays the true sum.
     return scoring.mask_padding(acc, prompt.lengths)
 
-  def keep(self, scores, prompt, budget, max_budget):
-    return selection.keep_top(scoring.force_window(scores, prompt.lengths, self.recent),
+  def keep(self, ex, scores, prompt, budget, max_budget):
+    return selection.keep_top(scoring.force_window(ex, scores, prompt.lengths, self.recent),
                               budget, max_budget)
 
-  def evict_slot(self, cache, positions):
+  def evict_slot(self, ex, cache, positions):
+    """[B, L, K] each head's lowest accumulated attention outside the recent window."""
+    del ex
     pos = selection.slot_view(cache, cache.positions)
     acc = selection.slot_view(cache, cache.scores)
     recent = pos > (positions[:, None, None, None] - 1 - self.recent)

@@ -26,5 +26,6 @@ class KNorm(Policy):
 
   name: ClassVar[str] = "knorm"
 
-  def score(self, prompt, q, k, v):
-    return scoring.mask_padding(scoring.key_norm_scores(k), prompt.lengths)
+  def score(self, ex, prompt, q, k, v):
+    """s[b, h, t] = -||k[b, t, h]||_2 ([B, K, T]); padding -inf."""
+    return scoring.mask_padding(-ex.impl("token_norms")(k), prompt.lengths)

@@ -39,12 +39,11 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax import backend as backend_lib
-from kvjax.cache.paged import EMPTY, round_up
+from kvjax.cache.paged import EMPTY
+from kvjax.policies import decode
 from kvjax.policies import scoring
 from kvjax.policies import selection
 from kvjax.policies.base import Policy
-from kvjax.sharding import collectives
 
 NORM_VARIANTS = ("v_over_k", "v", "inv_k", "k_plus_v")
 
@@ -75,7 +74,6 @@ class PagedEviction(Policy):
   """Norm-scored prefill selection and whole-page eviction while decoding."""
 
   name: ClassVar[str] = "paged_eviction"
-  evicts_during_decode: ClassVar[bool] = True
   page_size: int = 16  # slots per page; must equal generate's page_size (paper: 16)
   variant: str = "v_over_k"  # token score: v_over_k, v, inv_k or k_plus_v
   per_head: bool = False  # False: scores averaged over KV heads, one decision per layer
@@ -95,38 +93,33 @@ class PagedEviction(Policy):
     # this leaves at least one full page between them to evict while decoding.
     return self.page_size + max(self.page_size, self.window)
 
-  def _check_page_size(self, page_size: int) -> None:
-    if page_size != self.page_size:
-      raise ValueError(f"policy {self.name!r} has page_size={self.page_size} but the cache "
-                       f"has page_size={page_size}; set both to the same value")
+  @property
+  def decode(self):
+    return decode.EvictPage(self.evict_page, self.page_size)
 
-  def capacity(self, *, budget, prompt_len, extra_tokens, max_new_tokens, page_size, num_layers):
-    """Slots per layer: the budget (and question) and the tail page that fills past it.
+  def layout(self, budget, *, page_size, **sizes):
+    """The base layout: a head evicts once it holds more than b + extra_tokens with
+    its tail page full, so it never holds more than round_up(b + extra_tokens + 1)
+    entries: the budget and one page more when the budget fills whole pages."""
+    self.decode.check(page_size)
+    return super().layout(budget, page_size=page_size, **sizes)
 
-    A head evicts once it holds more than b + extra_tokens with its tail page
-    full, so it never holds more than round_up(b + extra_tokens + 1) entries:
-    the budget and one page more when the budget fills whole pages (the
-    decode loop appends max_new_tokens - 1 tokens: the last is never stored).
-    """
-    self._check_page_size(page_size)
-    grows = min(max_new_tokens - 1, 1)
-    return tuple(round_up(b + extra_tokens + grows, page_size)
-                 for b in self.layer_budgets(budget, prompt_len, num_layers))
-
-  def _reduce_heads(self, scores: jax.Array, axis: int) -> jax.Array:
+  def _reduce_heads(self, ex, scores: jax.Array, axis: int) -> jax.Array:
     """One score for all KV heads of a layer (the prototype's) unless per_head."""
     if self.per_head:
       return scores
-    return jnp.broadcast_to(collectives.heads_mean(scores, axis, keepdims=True), scores.shape)
+    return jnp.broadcast_to(ex.axes.heads_mean(scores, axis, keepdims=True), scores.shape)
 
-  def score(self, prompt, q, k, v):
-    """[B, K, T] norm score per token; -inf on padding."""
+  def score(self, ex, prompt, q, k, v):
+    """[B, K, T] norm score per token, e.g. ||v_t|| / ||k_t||; -inf on padding."""
     del q
-    norm = backend_lib.get("token_norms")  # the engine's norm op ([B, T, K, H] -> [B, K, T])
-    scores = self._reduce_heads(norm_scores(norm(k), norm(v), self.variant), axis=1)
+    norm = ex.impl("token_norms")  # [B, T, K, H] -> [B, K, T]
+    scores = self._reduce_heads(ex, norm_scores(norm(k), norm(v), self.variant), axis=1)
     return scoring.mask_padding(scores, prompt.lengths)
 
-  def keep(self, scores, prompt, budget, max_budget):
+  def keep(self, ex, scores, prompt, budget, max_budget):
+    """The first page, the last (partial) page and the window, then the best scores."""
+    del ex
     t = scores.shape[-1]
     pos = jnp.arange(t)[None]
     length = prompt.lengths[:, None]
@@ -139,7 +132,7 @@ class PagedEviction(Policy):
 
   # ---------------------------------------------------------------- decode
 
-  def page_scores(self, cache) -> jax.Array:
+  def page_scores(self, ex, cache) -> jax.Array:
     """[B, L, K, P_max] summed token score of each page a head owns (+inf for none).
 
     Computed from the pooled keys and values (norms only), so nothing needs
@@ -147,7 +140,7 @@ class PagedEviction(Policy):
     """
     table = cache.page_table
     ps = cache.page_size
-    norm = backend_lib.get("token_norms")
+    norm = ex.impl("token_norms")
     # The pool seen as one sequence of P * S_page tokens and one head.
     flat = lambda pages: norm(pages.reshape(1, -1, 1, pages.shape[-1])).reshape(-1, ps)
     pool = norm_scores(flat(cache.k_pages), flat(cache.v_pages), self.variant)  # [P, S_page]
@@ -155,17 +148,17 @@ class PagedEviction(Policy):
     sums = per_slot.reshape(table.shape + (ps,)).sum(-1)  # [B, L, K, P_max]
     if not self.per_head:
       # Sum over the layer's heads (their pages hold the same positions).
-      sums = jnp.broadcast_to(collectives.heads_sum(sums, 2, keepdims=True), sums.shape)
+      sums = jnp.broadcast_to(ex.axes.heads_sum(sums, 2, keepdims=True), sums.shape)
     return jnp.where(table >= 0, sums, jnp.inf)
 
-  def evict_page(self, cache, question: jax.Array | None = None) -> jax.Array:
+  def evict_page(self, ex, cache, question: jax.Array | None = None) -> jax.Array:
     """[B, L, K] index of the page each head would give up (-1 when none may go).
 
     Candidates: pages 1 .. tail - 1 (never the first, never the tail page),
     none holding a position of ``question`` ([B, 2] [start, end)), and with
     ``candidates`` > 0 only the oldest ``candidates`` of those.
     """
-    scores = self.page_scores(cache)
+    scores = self.page_scores(ex, cache)
     j = jnp.arange(scores.shape[-1])
     tail = (jnp.maximum(cache.lengths, 1) - 1) // cache.page_size  # [B, L, K]
     ok = (j >= 1) & (j < tail[..., None])
@@ -175,24 +168,6 @@ class PagedEviction(Policy):
       ok &= jnp.cumsum(ok, -1) <= self.candidates
     pick = jnp.argmin(jnp.where(ok, scores, jnp.inf), axis=-1).astype(jnp.int32)
     return jnp.where(ok.any(-1), pick, EMPTY)
-
-  def before_decode_step(self, cache, limit, positions, question=None):
-    """Evicts a page from every head past its limit whose tail page is full, before the append.
-
-    The prototype appends, then evicts once the cache is past its budget and
-    its tail page is full; evicting at the start of the next step instead
-    attends over the same entries at every step and needs no second hook.
-    """
-    del positions
-    self._check_page_size(cache.page_size)
-    full = (cache.lengths > limit) & (cache.lengths % cache.page_size == 0)
-
-    def evict(cache):
-      return cache.drop_pages(jnp.where(full, self.evict_page(cache, question), EMPTY))
-
-    # A page is evicted once every page_size steps: skip the scoring otherwise.
-    # On a mesh every shard takes the same branch: the branch holds collectives.
-    return jax.lax.cond(collectives.any_anywhere(full), evict, lambda c: c, cache)
 
 
 def _pages_holding(cache, span: jax.Array) -> jax.Array:

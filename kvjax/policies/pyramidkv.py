@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+from kvjax.policies import layout as layout_lib
 from kvjax.policies.base import Policy
 from kvjax.policies.fields import WindowFields
 
@@ -39,7 +40,17 @@ class PyramidKV(WindowFields, Policy):
     super().__post_init__()
     self._check_int("beta", 1)
 
-  def layer_budgets(self, budget, prompt_len, num_layers):
+  def layout(self, budget, *, prompt_len, extra_tokens, max_new_tokens, page_size,
+             num_kv_heads, windows):
+    """The base layout with the pyramid's budget per global layer."""
+    kept = self.layer_budgets(budget, prompt_len, layout_lib.num_global(windows))
+    return layout_lib.uniform(kept, budget, growth=self.decode.growth(max_new_tokens),
+                              prompt_len=prompt_len, extra_tokens=extra_tokens,
+                              max_new_tokens=max_new_tokens, page_size=page_size,
+                              num_kv_heads=num_kv_heads, windows=windows)
+
+  def layer_budgets(self, budget, prompt_len, num_layers) -> tuple[int, ...]:
+    """Entries each of ``num_layers`` layers keeps, top layer last."""
     # kvpress's PyramidKVPress.get_layer_budget, with c = the budget.
     c, w = float(budget), self.window
     low = c / self.beta

@@ -51,7 +51,6 @@ from typing import ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kvjax import backend as backend_lib
 from kvjax.policies import delimiters
 from kvjax.policies import selection
 from kvjax.policies.base import Policy
@@ -103,21 +102,21 @@ class SABlock(DelimiterFields, WindowFields, Policy):
       b *= 2
     return tuple(sizes)
 
-  def segments(self, tokens: jax.Array, lengths: jax.Array) -> jax.Array:
+  def segments(self, ex, tokens: jax.Array, lengths: jax.Array) -> jax.Array:
     """[B, T] segment ids of the compressible region (tokens before the window)."""
     cut = self.is_delimiter(tokens)
-    return backend_lib.get("segment_ids")(
+    return ex.impl("segment_ids")(
         cut, jnp.maximum(lengths - self.window, 0), max_segment=self.max_segment,
         min_segment=self.min_segment)
 
-  def keep(self, scores, prompt, budget, max_budget):
-    return self.plan(scores, prompt, budget, max_budget).keep
+  def keep(self, ex, scores, prompt, budget, max_budget):
+    return self.plan(ex, scores, prompt, budget, max_budget).keep
 
-  def plan(self, scores, prompt, budget, max_budget: int) -> Plan:
+  def plan(self, ex, scores, prompt, budget, max_budget: int) -> Plan:
     """The whole decision from token scores [B, K, T] (``score``'s output)."""
     t = scores.shape[-1]
     prefix, window = selection.regions(prompt.lengths, t, self.window)
-    seg = self.segments(prompt.tokens, prompt.lengths)
+    seg = self.segments(ex, prompt.tokens, prompt.lengths)
     s = jnp.where(prefix[:, None] & jnp.isfinite(scores), scores, 0.0)
     seg_mean = selection.segment_mean(s, seg, prefix)
     guided = jnp.where(prefix[:, None], s + self.gamma * jnp.where(

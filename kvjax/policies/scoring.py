@@ -5,6 +5,8 @@ prompt of one layer as the model computed it (q: [B, T, N, H], k/v: [B, T, K, H]
 RoPE applied). Right padding: positions >= lengths[b] are not prompt tokens.
 Keys and values are never repeated per query head: query heads are grouped
 (n // G is the KV head of query head n) and their scores reduced per group.
+Kernel ops run as ``ex.impl(op)``, reductions over KV heads as ``ex.axes.*``
+(``ex``: the program's ``kvjax.execution.Execution``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kvjax import backend as backend_lib
 # The scoring math is defined once, beside its Pallas kernel; these names are
 # this module's public stages.
 from kvjax.kernels.window_scoring import GROUP_REDUCTIONS
@@ -22,7 +23,6 @@ from kvjax.kernels.window_scoring import attention_received
 from kvjax.kernels.window_scoring import avg_pool
 from kvjax.kernels.window_scoring import reduce_group
 from kvjax.policies import selection
-from kvjax.sharding import collectives
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,11 +40,12 @@ class WindowScorer:
   kernel: int = 5
   group: str = "mean"
 
-  def scores(self, q, k, lengths) -> jax.Array:
+  def scores(self, ex, q, k, lengths) -> jax.Array:
     """SnapKV's token scores [B, K, T]: the window scores max + 1, padding -inf."""
-    return snapkv_scores(q, k, lengths, window=self.window, kernel=self.kernel, group=self.group)
+    return snapkv_scores(ex, q, k, lengths, window=self.window, kernel=self.kernel,
+                         group=self.group)
 
-  def prefix_scores(self, q, k, lengths) -> tuple[jax.Array, jax.Array]:
+  def prefix_scores(self, ex, q, k, lengths) -> tuple[jax.Array, jax.Array]:
     """The scores of the compressible prefix alone, and its attention density.
 
     Returns (scores [B, K, T], density [B, T]), float32, zero outside the
@@ -52,31 +53,29 @@ class WindowScorer:
     attention averaged over every query head (one number per token for the
     whole layer).
     """
-    raw = snapkv_scores(q, k, lengths, window=self.window, kernel=1, group=self.group)
+    raw = snapkv_scores(ex, q, k, lengths, window=self.window, kernel=1, group=self.group)
     prefix, _ = selection.regions(lengths, k.shape[1], self.window)
     raw = jnp.where(prefix[:, None], raw, 0.0)
     # Mean and pooling are linear, so pooling the group mean equals SnapKV's
     # pool-then-reduce for group="mean"; for "max" it pools the maximum.
     scores = jnp.where(prefix[:, None], avg_pool(raw, self.kernel), 0.0)
-    return scores, collectives.heads_mean(raw, 1)
+    return scores, ex.axes.heads_mean(raw, 1)
 
 
-def snapkv_scores(q, k, lengths, *, window: int, kernel: int, group: str = "mean") -> jax.Array:
+def snapkv_scores(ex, q, k, lengths, *, window: int, kernel: int, group: str = "mean") -> jax.Array:
   """SnapKV token scores [B, K, T] (kvpress's SnapKVPress.score, for a right-padded batch).
 
   The last ``window`` queries attend causally over the whole prompt; their
   weights on the tokens before the window are averaged over the window,
   average-pooled per query head, then reduced over each KV head's group. The
   window tokens score max + 1 (always kept); padding scores -inf. Computed by
-  the ambient backend's ``window_scores`` (``kvjax.backend.use``; XLA by default).
+  ``ex``'s ``window_scores`` (the XLA reference or the Pallas kernel).
   """
-  # The ambient backend (kvjax.backend.use): the XLA reference or the Pallas kernel.
-  scores = backend_lib.get("window_scores")(q, k, lengths, window=window, pool=kernel,
-                                            group=group)
-  return force_window(scores, lengths, window)
+  scores = ex.impl("window_scores")(q, k, lengths, window=window, pool=kernel, group=group)
+  return force_window(ex, scores, lengths, window)
 
 
-def force_window(scores: jax.Array, lengths: jax.Array, window: int) -> jax.Array:
+def force_window(ex, scores: jax.Array, lengths: jax.Array, window: int) -> jax.Array:
   """Gives the last ``window`` tokens of each sequence the score max + 1, padding -inf.
 
   The max is taken over the sequence's own finite prefix scores (all heads),
@@ -88,8 +87,8 @@ def force_window(scores: jax.Array, lengths: jax.Array, window: int) -> jax.Arra
   start = (lengths - window)[:, None, None]
   end = lengths[:, None, None]
   prefix = key_pos < start
-  top = collectives.heads_max(jnp.where(prefix & jnp.isfinite(scores), scores, -jnp.inf),
-                             axis=(1, 2), keepdims=True)
+  top = ex.axes.heads_max(jnp.where(prefix & jnp.isfinite(scores), scores, -jnp.inf),
+                          axis=(1, 2), keepdims=True)
   top = jnp.where(jnp.isfinite(top), top, 0.0)
   scores = jnp.where(prefix, scores, top + 1.0)
   return jnp.where(key_pos < end, scores, -jnp.inf)
@@ -101,9 +100,9 @@ def mask_padding(scores: jax.Array, lengths: jax.Array) -> jax.Array:
   return jnp.where(valid, scores, -jnp.inf)
 
 
-def key_norm_scores(k: jax.Array) -> jax.Array:
+def key_norm_scores(ex, k: jax.Array) -> jax.Array:
   """-||k||_2 per token and KV head: [B, T, K, H] -> [B, K, T] (KnormPress keeps low norms)."""
-  return -backend_lib.get("token_norms")(k)
+  return -ex.impl("token_norms")(k)
 
 
 def accumulated_attention(q, k, lengths, *, block: int = 256, group: str = "mean") -> jax.Array:

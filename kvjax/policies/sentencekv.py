@@ -41,7 +41,8 @@ class SentenceKV(DelimiterFields, WindowFields, Policy):
   name: ClassVar[str] = "sentencekv"
   chunked_prefill: ClassVar[bool] = False  # segments from the prompt text
 
-  def keep(self, scores, prompt, budget, max_budget):
+  def keep(self, ex, scores, prompt, budget, max_budget):
+    del ex
     cut = self.is_delimiter(prompt.tokens)
     prefix, window = selection.regions(prompt.lengths, scores.shape[-1], self.window)
     seg = selection.segment_ids(cut)

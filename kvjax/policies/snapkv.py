@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+from kvjax.policies import scoring
 from kvjax.policies.base import Policy
 from kvjax.policies.fields import WindowFields
 
@@ -32,3 +33,17 @@ class SnapKV(WindowFields, Policy):
   """Observation-window attention, pooled, per KV head (kvpress SnapKVPress)."""
 
   name: ClassVar[str] = "snapkv"
+
+  def score(self, ex, prompt, q, k, v):
+    """s[b, h, t] = reduce_{n in group h} avgpool_kernel(mean_{i in window}
+    softmax_t(q[b, i, n] . k[b, :, h] / sqrt(H)))[t]: [B, K, T].
+
+    The window's own tokens then score max + 1 (always kept), padding -inf.
+    One op (``window_scores``, kernels/window_scoring.py) computes the
+    softmax over the causal prefix, the window mean, the pooling and the
+    group reduction, without a [T, T] matrix.
+    """
+    del v
+    attention = ex.impl("window_scores")(q, k, prompt.lengths, window=self.window,
+                                         pool=self.kernel, group=self.group)
+    return scoring.force_window(ex, attention, prompt.lengths, self.window)

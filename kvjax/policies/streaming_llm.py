@@ -19,6 +19,7 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
+from kvjax.policies import decode
 from kvjax.policies import selection
 from kvjax.policies.base import Policy
 
@@ -28,7 +29,6 @@ class StreamingLLM(Policy):
   """Attention sinks + the most recent tokens; evicts the oldest non-sink while decoding."""
 
   name: ClassVar[str] = "streaming_llm"
-  evicts_during_decode: ClassVar[bool] = True
   n_sink: int = 4  # first tokens always kept
 
   def __post_init__(self):
@@ -37,14 +37,22 @@ class StreamingLLM(Policy):
   def reserved(self):
     return self.n_sink
 
-  def score(self, prompt, q, k, v):
+  @property
+  def decode(self):
+    return decode.EvictToken(self.evict_slot)
+
+  def score(self, ex, prompt, q, k, v):
+    """Sinks score T (first), then recency (the position): [B, K, T]; padding -inf."""
+    del ex
     pos = prompt.positions.astype(jnp.float32)
     t = pos.shape[1]
     scores = jnp.where(pos < self.n_sink, float(t), pos)  # sinks first, then recency
     scores = jnp.where(jnp.arange(t)[None] < prompt.lengths[:, None], scores, -jnp.inf)
     return jnp.broadcast_to(scores[:, None], (k.shape[0], k.shape[2], t))
 
-  def evict_slot(self, cache, positions):
+  def evict_slot(self, ex, cache, positions):
+    """[B, L, K] the slot of each head's oldest non-sink."""
+    del ex
     pos = selection.slot_view(cache, cache.positions)
     candidate = selection.filled_slots(cache) & (pos >= self.n_sink)
     return jnp.argmin(jnp.where(candidate, pos, jnp.iinfo(jnp.int32).max), axis=-1)

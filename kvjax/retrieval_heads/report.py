@@ -105,12 +105,14 @@ def train_and_save(cfg: TrainConfig, out: str | pathlib.Path,
     {"gates", "losses", "seconds" (wall time, model load included),
      "gates_dir", "text" (the gates table and the wall time)}.
   """
-  import kvjax  # pylint: disable=g-import-not-at-top
+  # The loader's own module, not the package's facade: a library module below the
+  # command-line tools imports no re-export of `kvjax`.
+  from kvjax.models import lm as lm_lib  # pylint: disable=g-import-not-at-top
   start = time.perf_counter()
   out = pathlib.Path(out)
   out.mkdir(parents=True, exist_ok=True)
   gates_dir = out / "gates" if gates_dir is None else pathlib.Path(gates_dir)
-  lm = kvjax.load(cfg.model)
+  lm = lm_lib.load(cfg.model)
   rows: list[dict[str, Any]] = []
 
   def on_step(step, loss, mse, seconds):

@@ -31,6 +31,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from kvjax import execution
 from kvjax.cache.paged import layer_window
 from kvjax.models.gemma3 import reference_attend
 from kvjax.retrieval_heads import data as data_lib
@@ -54,6 +55,9 @@ SEED = 0
 # at the end of each row, whose hidden states the loss compares).
 DataFn = Callable[[np.random.Generator], tuple[np.ndarray, np.ndarray]]
 
+
+# Training differentiates through the XLA references of every op.
+REFERENCE = execution.Execution()
 
 def streaming_mask(t: int, *, n_sink: int, recent: int) -> jax.Array:
   """[T, T] bool: query i sees key j when j <= i and (j < n_sink or i - j < recent).
@@ -106,7 +110,7 @@ def _hidden(graphdef, params, tokens, attend, state):
   """The model's final hidden states [B, T, D] (after the final norm) under ``attend``."""
   model = nnx.merge(graphdef, params)
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-  hidden, _ = model(tokens, positions, state, attend)
+  hidden, _ = model(tokens, positions, state, attend, REFERENCE)
   return hidden.astype(jnp.float32)
 
 
@@ -162,7 +166,7 @@ def make_update(graphdef, optimizer: optax.GradientTransformation, *, n_sink: in
   @jax.jit
   def update(params, gates, opt_state, tokens, answer):
     # The model's own attention: causal, windowed on sliding-window layers.
-    full_attend = reference_attend(nnx.merge(graphdef, params).config)
+    full_attend = reference_attend(nnx.merge(graphdef, params).config, REFERENCE)
     hidden_full = jax.lax.stop_gradient(_hidden(graphdef, params, tokens, full_attend, None))
     (loss, mse), grads = jax.value_and_grad(gate_loss, has_aux=True)(
         gates, hidden_full, graphdef, params, tokens, answer, n_sink=n_sink, recent=recent,

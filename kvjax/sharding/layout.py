@@ -2,7 +2,10 @@
 
   weights        q, k, v, gate and up columns, and the rows of the output and
                  down projections, split over ``model`` by head and MLP column
-                 (tensor parallel); everything else replicated
+                 (tensor parallel); everything else replicated. The model
+                 states which parameters those are (its module's
+                 ``sharding_rules``, read off the model it is given), so this
+                 file imports no model module
   paged cache    each device owns a block of the page pool holding the pages
                  of its sequences (``data``) and KV heads (``model``); its page
                  table, lengths and free stack are its own (never replicated)
@@ -41,11 +44,6 @@ SPECS = {
 _POOL = P((DATA, MODEL))  # [P, ...] page pools, free stacks: a block per device
 _POOL_FIELDS = ("k_pages", "v_pages", "positions", "scores", "free_pages")  # [P, ...] arrays
 
-# Fused columns: (name, parts of the last axis in the checkpoint's order).
-_HEAD_COLUMNS = ("wqkv", "bqkv")
-_MLP_COLUMNS = ("w_gate_up",)
-_ROW_SPLIT = ("wo", "w_down")  # their input axis (-2) holds heads or MLP columns
-
 
 def sharding(mesh: Mesh, spec: P) -> NamedSharding:
   return NamedSharding(mesh, spec)
@@ -75,8 +73,10 @@ def shard_model(lm, mesh: Mesh):
     if lm.packed:
       raise ValueError("a model with packed GGUF weights cannot be sharded over a mesh yet; "
                        "load it with packed=False")
-    cached[mesh] = dataclasses.replace(lm, graphdef=_local_graphdef(lm, mesh_sizes(mesh)[1]),
-                                       params=_shard_params(lm, mesh))
+    module = type(lm.module)  # Llama, or Gemma3 for a Gemma3Config
+    cached[mesh] = dataclasses.replace(
+        lm, graphdef=_local_graphdef(lm, module, mesh_sizes(mesh)[1]),
+        params=_shard_params(lm, module.sharding_rules, mesh))
   return cached[mesh]
 
 
@@ -88,10 +88,9 @@ def local_config(config, model_shards: int):
                              intermediate_size=config.intermediate_size // m)
 
 
-def _local_graphdef(lm, model_shards: int):
-  from kvjax.models.gemma3 import module_class  # pylint: disable=g-import-not-at-top
+def _local_graphdef(lm, module: type, model_shards: int):
+  """The graph of one model shard's part of ``lm``, a ``module`` (its Flax class)."""
   config = local_config(lm.config, model_shards)
-  module = module_class(config)  # Llama, or Gemma3 for a Gemma3Config
   abstract = nnx.eval_shape(lambda: module(config, dtype=lm.dtype, rngs=nnx.Rngs(0),
                                            scan_layers=lm.scan_layers))
   return nnx.split(abstract)[0]
@@ -106,12 +105,15 @@ def _column_order(parts: tuple[int, ...], shards: int) -> np.ndarray:
       for s in range(shards) for start, size in zip(starts, parts)])
 
 
-def _shard_params(lm, mesh: Mesh):
+def _shard_params(lm, rules, mesh: Mesh):
+  """``lm``'s weights as global arrays split over the model axis as ``rules`` say (the
+  model's ``kvjax.models.config.ShardingRules``)."""
   c = lm.config
   m = mesh_sizes(mesh)[1]
   qkv = tuple(n * c.head_dim for n in (c.num_heads, c.num_kv_heads, c.num_kv_heads))
-  orders = {name: _column_order(qkv, m) for name in _HEAD_COLUMNS}
-  orders.update({name: _column_order((c.intermediate_size,) * 2, m) for name in _MLP_COLUMNS})
+  orders = {name: _column_order(qkv, m) for name in rules.head_columns}
+  orders.update({name: _column_order((c.intermediate_size,) * 2, m)
+                 for name in rules.mlp_columns})
 
   def place(path, x):
     name = _param_name(path)
@@ -119,7 +121,7 @@ def _shard_params(lm, mesh: Mesh):
     spec = [None] * host.ndim
     if name in orders:
       host, spec[-1] = np.take(host, orders[name], axis=-1), MODEL
-    elif name in _ROW_SPLIT:
+    elif name in rules.row_split:
       spec[-2] = MODEL
     return put(host, sharding(mesh, P(*spec)))
 

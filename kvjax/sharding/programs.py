@@ -19,7 +19,6 @@ from typing import Callable
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kvjax.sharding import collectives
 from kvjax.sharding import layout
 from kvjax.sharding.mesh import DATA, MODEL
 
@@ -81,10 +80,12 @@ def compile(fn: Callable, args: tuple, statics: dict, mesh: Mesh, kinds: tuple,
   in_specs = tuple(_spec(k, a) for k, a in zip(in_kinds, args))
   out_specs = tuple(_spec(k, None, like) for k in out_kinds)
 
+  # Per device, the program's reductions span the mesh's axes.
+  statics = dict(statics, ex=statics["ex"].on_mesh(DATA, MODEL))
+
   def per_device(*local_args):
     local_args = [layout.to_local(a) if k == "cache" else a for k, a in zip(in_kinds, local_args)]
-    with collectives.on_axes(DATA, MODEL):
-      results = fn(*local_args, **statics)
+    results = fn(*local_args, **statics)
     results = (results,) if single else results
     return one(tuple(layout.to_global(r, like) if k == "cache" else r
                      for k, r in zip(out_kinds, results)))

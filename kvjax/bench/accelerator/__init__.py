@@ -2,15 +2,18 @@ r"""One command for a GPU or TPU: kvjax's speed against the chip's physical floo
 
   python -m kvjax.bench --preset=accelerator            # results/accelerator/
   python -m kvjax.bench --preset=accelerator --sections=kernel,decode --out=/tmp/acc
+  python -m kvjax.bench --preset=accelerator --config=configs/smollm2_135m.py
 
-On the random Llama-3.2-1B shape (configs/llama3_2_1b.py, bfloat16 weights
-from ``kvjax.models.lm.init_random``: nothing is downloaded), five sections:
+On the random Llama-3.2-1B shape (``shapes.LLAMA3_2_1B``, shipped with the
+package and equal to configs/llama3_2_1b.py; ``--config`` names another
+config file; bfloat16 weights from ``kvjax.models.lm.init_random``: nothing
+is downloaded), five sections:
   kernel      per op, every registered implementation that runs here, then
               what "auto" picks: paged decode attention bytes/s (B=8 K=8 G=4
               H=64, 32K slots; and B=1; dense ``jax.nn.dot_product_attention``
               on the same keys and values as a yardstick) and a prompt's causal
               attention TFLOP/s (32K tokens, Llama-3.2-1B's heads); the faster
-              implementation per op becomes "auto"'s choice (below)
+              implementation per op is written as a measured choice (below)
   decode      ms per decode step, batch 1, full cache vs snapkv at budget 1024,
               at 32K and 128K tokens, backends xla, pallas and auto (caches
               filled with synthetic keys and values, ``runner.synthetic_cache``)
@@ -28,11 +31,13 @@ a lowering error) is a row with its error. --out/summary.md holds the tables.
 The kernel section writes, per op, the implementation with the smallest
 geometric mean of its times over the op's shapes (among those "auto" may run:
 not Pallas' interpreter) with every timing, the shapes, jax's version and the
-date to --out/auto_choices.json. At full scale on a GPU or TPU it also installs
-them as this device kind's measured choices
-(``kvjax.backend_choices.measured_path``), which "auto" then reads before the
-committed table, later sections included; and it prints the entries to paste
-into ``kvjax.backend_choices.AUTO_CHOICES`` to commit the measurement.
+date to --out/auto_choices.json, a measured-choices file. It changes no later
+call by itself: "auto" reads it only where it is named, by
+``$KVJAX_AUTO_CHOICES`` or a ``choices=`` argument (``kvjax.backend_choices``).
+The run prints how to name it, and the entries to paste into
+``kvjax.backend_choices.AUTO_CHOICES`` to commit the measurement. Its own
+"auto" rows run what "auto" runs for any caller: the committed table, unless
+the run itself was started with ``KVJAX_AUTO_CHOICES`` set.
 
 The floor of a row is max(bytes moved / HBM bandwidth, FLOPs / bf16 peak),
 with the chip's figures from ``SPECS`` (by ``jax.devices()[0].device_kind``;
@@ -41,17 +46,19 @@ time (1.0 = at the floor).
 
 On CPU (or with --scale=small) the same sections run at toy sizes (a 2-layer
 model, 1K slots, batch 1-2, a few steps, Pallas in interpret mode): a check
-of the plumbing, not of speed.
+of the plumbing, not of speed. Nothing refuses a CPU: every section runs.
 
-The package: ``specs`` (chips' peak figures, a row's floor), ``scales`` (a
-run's sizes, the model configs), ``recorder`` (rows, results.jsonl, progress
-lines), ``kernels`` (the kernel section), ``choices`` ("auto"'s measured
-choices: written, installed, printed), ``model_sections`` (decode, throughput,
-prefill), ``equality``, ``summary`` (summary.md); ``run`` here.
+The package: ``specs`` (chips' peak figures, a row's floor), ``shapes`` (the
+shipped model shapes), ``scales`` (a run's sizes, its model configs),
+``recorder`` (rows, results.jsonl, progress lines), ``kernels`` (the kernel
+section), ``choices`` ("auto"'s measured choices: written, printed),
+``model_sections`` (decode, throughput, prefill), ``equality``, ``summary``
+(summary.md); ``run`` here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import time
 
@@ -116,14 +123,14 @@ def _model_maker(scan_layers: bool):
 
 def run(out: str | pathlib.Path = "results/accelerator", *, scale: str = "auto",
         sections=SECTIONS, scan_layers: bool | None = None,
-        install: bool | None = None) -> list[dict]:
+        config: str | pathlib.Path | None = None) -> list[dict]:
   """Runs the chosen sections; writes results.jsonl, summary.md and (kernel section)
   auto_choices.json in ``out``; returns rows.
 
   ``scan_layers``: the models' layer layout (None: the device's default,
-  ``kvjax.models.llama.default_scan_layers``). ``install``: whether the kernel
-  section's choices become this device kind's measured choices for "auto"
-  (None: at full scale off a CPU).
+  ``kvjax.models.llama.default_scan_layers``). ``config``: a config file
+  (``get_config()``, as in configs/) whose shape replaces the scale's model
+  in the decode, throughput and prefill sections (None: the shipped shape).
   """
   unknown = sorted(set(sections) - set(SECTIONS))
   if unknown:
@@ -131,18 +138,19 @@ def run(out: str | pathlib.Path = "results/accelerator", *, scale: str = "auto",
   from kvjax.models import llama
   scan_layers = llama.default_scan_layers(scan_layers)
   sc = scale_for(scale)
+  if config is not None:
+    sc = dataclasses.replace(sc, model=str(config))
+    model_config(sc.model)  # a missing or broken file fails before any section runs
   out = pathlib.Path(out)
   kind = jax.devices()[0].device_kind
   spec = device_spec(kind)
-  if install is None:
-    install = sc.name == "full" and jax.default_backend() != "cpu"
   rec = Recorder(out, {"device_kind": kind, "platform": jax.default_backend(),
                        "scale": sc.name, "scan_layers": scan_layers})
   print(f"kvjax accelerator preset ({sc.name} scale) on {kind}: sections "
         f"{', '.join(sections)}; rows in {rec.path}", flush=True)
   model = _model_maker(scan_layers)
   steps = {
-      "kernel": lambda: kernel_section(rec, sc, spec, out / "auto_choices.json", install),
+      "kernel": lambda: kernel_section(rec, sc, spec, out / "auto_choices.json"),
       "decode": lambda: decode_section(rec, sc, spec, model(sc.model, sc.dtype)),
       "throughput": lambda: throughput_section(rec, sc, spec, model(sc.model, sc.dtype)),
       "prefill": lambda: prefill_section(rec, sc, spec, model(sc.model, sc.dtype)),

@@ -1,22 +1,23 @@
-"""The kernel section's choices for "auto": written, installed, printed for AUTO_CHOICES."""
+"""The kernel section's choices for "auto": written to the run's folder, printed with how
+to name them and the ``AUTO_CHOICES`` entries that commit them."""
 
 from __future__ import annotations
 
+import pathlib
 import sys
 import textwrap
 
 from kvjax import backend_choices
 
 
-def save_choices(rec, kind, platform, entries, choices, install) -> None:
-  """Writes the choices measured so far to ``choices`` and, with ``install``, for "auto"."""
+def save_choices(rec, kind, platform, entries, choices) -> None:
+  """Writes the choices measured so far to ``choices`` (the run's auto_choices.json).
+
+  Nothing else: "auto" reads the file only where a caller names it
+  (``kvjax.backend_choices``), so a run changes no later call by itself.
+  """
   try:
-    if choices is not None:
-      backend_choices.write_measured(choices, kind, platform, entries, merge=False)
-    if install:
-      backend_choices.write_measured(backend_choices.measured_path(kind), kind, platform,
-                                     entries)
-      backend_choices.forget_measured()
+    backend_choices.write_measured(choices, kind, platform, entries)
   except OSError as e:
     rec.notes.append(f"Writing the auto choices failed: {type(e).__name__}: {e}")
     print(f"kvjax: writing the auto choices failed: {e}", file=sys.stderr, flush=True)
@@ -34,23 +35,33 @@ def table_lines(kind: str, platform: str, entries: dict[str, dict]) -> list[str]
   return lines
 
 
-def report_choices(rec, kind, platform, entries, choices, install) -> None:
-  """Prints (and notes for summary.md) where the choices went and the lines to commit."""
+def usage_lines(choices) -> list[str]:
+  """How to make "auto" take the choices in the file ``choices``."""
+  env = backend_choices.CHOICES_ENV
+  choices = pathlib.Path(choices).absolute()  # to name it from any folder
+  return ["\"auto\" takes them only where the file is named: for a process,",
+          "", "```sh", f"export {env}={choices}", "```", "",
+          f"or for one execution, `kvjax.execution.create(\"auto\", choices=\"{choices}\")`. "
+          "Without either, \"auto\" runs the committed table."]
+
+
+def report_choices(rec, scale, kind, platform, entries, choices) -> None:
+  """Prints (and notes for summary.md) the choices, how to use them and the lines to commit."""
   if not entries:
     rec.notes.append("No auto choices: no implementation ran at every shape of an op.")
     return
-  where = [f"written to {choices}"] if choices is not None else []
-  if install:
-    where.append(f"installed for {kind} in {backend_choices.measured_path(kind)} "
-                 "(\"auto\" reads it on this device kind)")
-  else:
+  picks = ", ".join(f"{op}: {e['backend']}" for op, e in entries.items())
+  where = f"written to {choices}" if choices is not None else "not written"
+  lines = [f"Auto choices measured on {kind} ({picks}): {where}."]
+  if choices is not None:
+    lines += usage_lines(choices)
+  lines += ["", "To commit them, put these entries in `AUTO_CHOICES` "
+            "(kvjax/backend_choices.py):", "", "```python",
+            *table_lines(kind, platform, entries), "```"]
+  if scale.name == "small" or platform == "cpu":
     # A CPU's committed choices rest on float32 native kernels, which this
     # bfloat16 run does not time; a small scale's shapes are toys.
-    where.append("not installed for \"auto\" (only a full-scale run on a GPU or TPU is)")
-  picks = ", ".join(f"{op}: {e['backend']}" for op, e in entries.items())
-  lines = [f"Auto choices measured on {kind} ({picks}): " + "; ".join(where) + ".",
-           "To commit them, put these entries in `AUTO_CHOICES` "
-           "(kvjax/backend_choices.py):", "", "```python",
-           *table_lines(kind, platform, entries), "```"]
+    lines.append("(Measured at toy sizes or on a CPU: entries to check the plumbing with, "
+                 "not to commit.)")
   rec.notes += lines
   print("\n".join(lines), flush=True)

@@ -124,14 +124,13 @@ def measure_op(rec: Recorder, scale: Scale, spec, op: str, shapes, make_case,
                yardstick=None) -> dict | None:
   """Times every implementation of ``op`` at each shape; "auto"'s measured entry
   (``backend_choices.measured_entry``), None when no eligible one ran at every shape."""
-  from kvjax import backend
   dtype = jnp.dtype(scale.dtype)
-  impls = backend.implementations(op)
   names = implementations(op, dtype)
   timings = []
   for shape in shapes:
     case = make_case(shape, dtype, scale.page_size)
-    seconds = {name: _time_row(rec, scale, spec, case, name, jax.jit(impls[name]), case.args)
+    seconds = {name: _time_row(rec, scale, spec, case, name, jax.jit(_here(op, name)),
+                               case.args)
                for name in names}
     if yardstick is not None:
       yardstick(rec, scale, spec, case)
@@ -142,12 +141,13 @@ def measure_op(rec: Recorder, scale: Scale, spec, op: str, shapes, make_case,
 
 
 def kernel_section(rec: Recorder, scale: Scale, spec: DeviceSpec | None,
-                   choices: pathlib.Path | None = None, install: bool = False) -> dict:
+                   choices: pathlib.Path | None = None) -> dict:
   """Per op, every implementation's speed, then "auto"'s choice and what "auto" runs.
 
-  The choices go to ``choices`` (when given) and, with ``install``, to this
-  device kind's measured-choices file, before "auto" is timed: its rows (and
-  later sections') show the new choice. Returns op -> measured entry.
+  The choices go to ``choices`` (when given) as each op is measured. The
+  "auto" rows time what "auto" runs for a caller, the committed table's
+  choice unless ``$KVJAX_AUTO_CHOICES`` names a file (``kvjax.backend_choices``):
+  a measurement changes "auto" only where it is named. Returns op -> measured entry.
   """
   from kvjax import backend
   kind, platform = jax.devices()[0].device_kind, jax.default_backend()
@@ -158,10 +158,18 @@ def kernel_section(rec: Recorder, scale: Scale, spec: DeviceSpec | None,
     entry = measure_op(rec, scale, spec, op, shapes, make_case, yardstick)
     if entry is not None:
       entries[op] = entry
-      choices_lib.save_choices(rec, kind, platform, entries, choices, install)
+      if choices is not None:
+        choices_lib.save_choices(rec, kind, platform, entries, choices)
+    auto = _here(op, backend.resolve("auto", op, platform=platform))
     for shape in shapes:
       case = make_case(shape, jnp.dtype(scale.dtype), scale.page_size)
-      _time_row(rec, scale, spec, case, backend_label("auto", op),
-                jax.jit(backend.get(op, "auto")), case.args)
-  choices_lib.report_choices(rec, kind, platform, entries, choices, install)
+      _time_row(rec, scale, spec, case, backend_label("auto", op), jax.jit(auto), case.args)
+  choices_lib.report_choices(rec, scale, kind, platform, entries, choices)
   return entries
+
+
+def _here(op: str, name: str):
+  """``op``'s implementation ``name``, built for this machine's default platform."""
+  from kvjax import backend
+  platform = jax.default_backend()
+  return backend.implementation(op, name, platform=platform, interpret=platform == "cpu")

@@ -8,6 +8,8 @@ import pathlib
 
 import jax
 
+from kvjax.bench.accelerator import shapes
+
 COMMAND = "python -m kvjax.bench --preset=accelerator"
 
 
@@ -16,7 +18,7 @@ class Scale:
   """The sizes of a run: "full" on a GPU/TPU, "small" on CPU (a plumbing check)."""
 
   name: str
-  model: str  # a configs/ file's stem, or "tiny"
+  model: str  # a shipped shape (shapes.SHAPES), or a config file's path (--config)
   equality_model: str
   dtype: str
   kernel_shapes: tuple[tuple[int, int, int, int, int], ...]  # (B, K, G, H, slots)
@@ -64,23 +66,25 @@ def scale_for(name: str) -> Scale:
 
 
 def command(scale: Scale) -> str:
-  """The command line that runs at ``scale``."""
-  return f"{COMMAND} --scale={scale.name}"
+  """The command line that runs at ``scale`` (with the config file it was given)."""
+  config = "" if scale.model in shapes.SHAPES else f" --config={scale.model}"
+  return f"{COMMAND} --scale={scale.name}{config}"
 
 
 def model_config(name: str):
-  """configs/<name>.py's config (the repository's or the working folder's), or the toy one."""
-  from kvjax.models.config import LlamaConfig
-  if name == "tiny":
-    return LlamaConfig(vocab_size=512, hidden_size=128, num_layers=2, num_heads=4,
-                       num_kv_heads=2, head_dim=64, intermediate_size=256,
-                       max_position_embeddings=4096, name="tiny")
-  for folder in (pathlib.Path(__file__).resolve().parents[3] / "configs",
-                 pathlib.Path.cwd() / "configs"):
-    path = folder / f"{name}.py"
-    if path.exists():
-      spec = importlib.util.spec_from_file_location(f"_kvjax_config_{name}", path)
-      module = importlib.util.module_from_spec(spec)
-      spec.loader.exec_module(module)
-      return module.get_config()
-  raise FileNotFoundError(f"configs/{name}.py not found: run from the repository's root")
+  """The config a scale names: a shipped shape (``shapes.SHAPES``), or a config file's
+  ``get_config()`` where ``name`` is a path (the preset's ``--config``).
+
+  Raises:
+    FileNotFoundError: ``name`` is neither a shipped shape nor a file.
+  """
+  if name in shapes.SHAPES:
+    return shapes.SHAPES[name]
+  path = pathlib.Path(name)
+  if not path.is_file():
+    raise FileNotFoundError(f"{name!r} is neither a shape the preset ships "
+                            f"({', '.join(shapes.SHAPES)}) nor a config file")
+  spec = importlib.util.spec_from_file_location(f"_kvjax_config_{path.stem}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
