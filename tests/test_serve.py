@@ -1,0 +1,162 @@
+"""The serving engine: isolation from the other requests, fixed shapes, pages given back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax import policies
+from kvjax import testing
+from kvjax.serve import Engine, parse_bytes
+
+TINY = kvjax.LlamaConfig(
+    vocab_size=211, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
+    intermediate_size=128, max_position_embeddings=1024, tie_embeddings=False,
+    rope_theta=1e4)
+# Delimiter ids for the policies that cut there (SABlock, DynSplit-KV, SentenceKV).
+DELIMITERS = (5, 6, 7)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  return kvjax.init_random(TINY, seed=2)
+
+
+def _prompts(count: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
+  rng = np.random.default_rng(seed)
+  out = []
+  for n in rng.integers(low, high, count):
+    ids = rng.integers(10, TINY.vocab_size, n)
+    ids[rng.random(n) < 0.1] = DELIMITERS[0]
+    out.append(ids.tolist())
+  return out
+
+
+def _engine(lm, name, budget, **kw):
+  policy = testing.policy_for(name, lm.config, "/tmp", DELIMITERS)
+  fields = policies.window_fields(name, 16)  # an observation window the budget can hold
+  if name == "paged_eviction":
+    fields["page_size"] = 8
+  policy = policies.get(policy, **fields)
+  defaults = dict(num_pages=4000, max_slots=4, max_prompt_tokens=512, max_tokens=12,
+                  prefill_chunk=128, page_size=8, steps_per_dispatch=3, backend="xla")
+  return Engine(lm, policy=policy, budget=budget, **{**defaults, **kw}), policy
+
+
+def _staggered(engine, prompts, max_tokens):
+  """Submits the prompts a few at a time between steps; returns {id: completion}."""
+  rng = np.random.default_rng(1)
+  pending, ids, done = list(prompts), [], {}
+  while pending or engine.running or engine.waiting:
+    for _ in range(int(rng.integers(0, 3)) if engine.running else 1):
+      if pending:
+        ids.append(engine.submit(pending.pop(0), max_tokens=int(max_tokens[len(ids)])))
+    done.update({c.id: c for c in engine.step()})
+  return [done[i] for i in ids]
+
+
+# Each decode rule (keep, evict a token, evict a page) and both prefills (chunked,
+# one shot) in the default suite; the other policies with -m slow.
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("name,budget", [
+    ("full", None), ("snapkv", 48), ("paged_eviction", 48), ("h2o", 48),
+    pytest.param("streaming_llm", 40, marks=_SLOW), pytest.param("sablock", 48, marks=_SLOW),
+    pytest.param("knorm", 48, marks=_SLOW), pytest.param("dynsplit_kv", 48, marks=_SLOW),
+    pytest.param("chunkkv", 48, marks=_SLOW), pytest.param("sentencekv", 48, marks=_SLOW),
+    pytest.param("pyramidkv", 48, marks=_SLOW)])
+def test_each_request_gets_generates_tokens_among_others(tiny, name, budget):
+  """Greedy tokens of every request equal ``generate``'s on its prompt alone, while
+  others arrive, run and leave around it."""
+  engine, policy = _engine(tiny, name, budget)
+  prompts = _prompts(7, 60, 400)
+  max_tokens = np.random.default_rng(3).integers(1, 13, len(prompts))
+  got = _staggered(engine, prompts, max_tokens)
+  chunk = engine.chunk
+  for prompt, n, completion in zip(prompts, max_tokens, got):
+    # One-shot policies: the engine pads a prompt to a power of two x 64.
+    pad = {} if chunk else dict(pad_multiple=int(64 * 2 ** np.ceil(np.log2(len(prompt) / 64))))
+    # The first n of 12 greedy tokens (one compiled decode for every request).
+    want = kvjax.generate(tiny, [prompt], policy=policy, budget=budget, max_new_tokens=12,
+                          prefill_chunk=chunk, page_size=8, backend="xla", stop_ids=[],
+                          **pad)
+    assert completion.token_ids == want.token_ids[0][:n], (name, len(prompt))
+  assert engine.pages_in_use == 0
+  assert int(engine.cache.num_free) == engine.num_pages  # every page back on the free stack
+
+
+def test_per_head_layouts_are_refused(tiny):
+  with pytest.raises(ValueError, match="heads sizes of their own"):
+    _engine(tiny, "adakv", 48)
+
+
+def test_the_pool_bounds_the_running_requests_and_pages_come_back(tiny):
+  engine, _ = _engine(tiny, "snapkv", 48)
+  need = engine.pages_for(400, 12)
+  small, _ = _engine(tiny, "snapkv", 48, num_pages=engine.pages_for(512, 12) + need)
+  for prompt in _prompts(6, 380, 400):
+    small.submit(prompt, max_tokens=12)
+  most = 0
+  while small.running or small.waiting:
+    small.step()
+    most = max(most, small.running)
+    assert small.pages_in_use <= small.num_pages
+  assert most == 2  # two fit at a time, four would by slots alone
+  assert small.stats["admitted"] == 6 and small.pages_in_use == 0
+
+
+def test_cancel_gives_the_pages_back_at_once(tiny):
+  engine, _ = _engine(tiny, "full", None, max_tokens=12)
+  first = engine.submit(_prompts(1, 300, 301)[0], max_tokens=12)
+  waiting = engine.submit(_prompts(1, 300, 301)[0], max_tokens=12)
+  engine.step()
+  assert engine.pages_in_use > 0
+  assert engine.cancel(first) and engine.cancel(waiting) and not engine.cancel(99)
+  assert engine.pages_in_use == 0 and engine.running == engine.waiting == 0
+  assert int(engine.cache.num_free) == engine.num_pages
+
+
+def test_nothing_recompiles_as_requests_come_and_go(tiny):
+  engine, _ = _engine(tiny, "snapkv", 48, max_slots=8)
+  warm = [engine.submit(p, max_tokens=4) for p in _prompts(2, 60, 200, seed=7)]
+  list(engine.run())
+  with testing.count_compilations() as compiles:
+    got = _staggered(engine, _prompts(100, 20, 500, seed=8),
+                     np.random.default_rng(9).integers(1, 13, 100))
+  assert len(got) == 100 and len(warm) == 2
+  assert compiles[0] == 0, f"{compiles[0]} programs compiled while serving"
+
+
+def test_bad_requests_and_sizes_are_refused(tiny):
+  engine, _ = _engine(tiny, "snapkv", 48)
+  with pytest.raises(ValueError, match="exceeds the engine's max_prompt_tokens"):
+    engine.submit([11] * 700)
+  for kwargs, match in [(dict(max_tokens=0), "max_tokens"), (dict(max_tokens=13), "max_tokens"),
+                        (dict(temperature=-1.0), "temperature"), (dict(seed=-1), "seed"),
+                        (dict(stop=[""]), "stop"), (dict(stop_ids=list(range(9))), "stop_ids")]:
+    with pytest.raises(ValueError, match=match):
+      engine.submit([11, 12, 13], **kwargs)
+  with pytest.raises(ValueError, match="cannot hold one request"):
+    _engine(tiny, "full", None, num_pages=10)
+  with pytest.raises(ValueError, match="one of kv_memory"):
+    _engine(tiny, "full", None, num_pages=None)
+  assert parse_bytes("2KiB") == 2048 and parse_bytes("1.5GB") == 1_500_000_000
+  with pytest.raises(ValueError, match="kv_memory"):
+    parse_bytes("lots")
+
+
+def test_sampled_requests_are_reproducible_by_seed(tiny):
+  engine, _ = _engine(tiny, "snapkv", 48)
+  prompt = _prompts(1, 100, 101)[0]
+  a, b, c = (engine.submit(prompt, max_tokens=12, temperature=1.0, seed=s) for s in (5, 5, 6))
+  out = {x.id: x.token_ids for x in engine.run()}
+  assert out[a] == out[b] and out[a] != out[c]
+
+
+def test_kv_memory_sizes_the_pool(tiny):
+  engine, _ = _engine(tiny, "snapkv", 48, num_pages=None, kv_memory="4MiB")
+  page_bytes = 2 * 8 * TINY.head_dim * 4
+  assert engine.num_pages == 4 * 2 ** 20 // page_bytes
+  assert engine.cache.kv_bytes == engine.num_pages * page_bytes
