@@ -30,7 +30,7 @@ FLAGS = flags.FLAGS
 
 def _recorded(lm, ids):
   """Every layer's (q [L, 1, T, N, H], k, v [L, 1, T, K, H]) for one prompt."""
-  options = inputs.Options(max_new_tokens=1, page_size=16, backend="xla", pad_multiple=1,
+  options = inputs.Options(max_new_tokens=1, page_size=16, pad_multiple=1,
                            attention_block=512, prefill_chunk=0, stop_ids=(), temperature=0.0,
                            top_k=0, seed=0)
   batch = inputs.batch(lm, [ids], None, query_aware=True, chat_template=False, options=options)

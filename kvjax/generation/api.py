@@ -180,7 +180,7 @@ def generate_each(
   if stop_ids is None:
     stop_ids = lm.tokenizer.stop_ids if lm.tokenizer is not None else ()
   options = inputs.Options(
-      max_new_tokens=max_new_tokens, page_size=page_size, backend=backend,
+      max_new_tokens=max_new_tokens, page_size=page_size,
       pad_multiple=pad_multiple, attention_block=attention_block, prefill_chunk=prefill_chunk,
       stop_ids=tuple(stop_ids), temperature=temperature, top_k=top_k, seed=seed, mesh=mesh,
       ex=execution.create(backend))

@@ -26,7 +26,6 @@ class Options:
 
   max_new_tokens: int  # tokens generated per sequence (sets the output shape)
   page_size: int  # slots per cache page
-  backend: str  # the caller's kernel backend ("auto" resolves op by op)
   pad_multiple: int  # prompts are right-padded to a multiple of this
   attention_block: int  # block size of the one-shot prefill's causal attention
   prefill_chunk: int  # tokens per prefill chunk; 0 for a one-shot prefill
@@ -35,7 +34,7 @@ class Options:
   top_k: int  # sample among the k most likely tokens (0 = all)
   seed: int
   mesh: Any = None  # a (data, model) jax.sharding.Mesh to run on, or None for one device
-  # The programs' kernels and platform, from ``backend`` (``kvjax.execution.create``).
+  # The programs' kernels and platform (``kvjax.execution.create``; XLA by default).
   ex: execution.Execution = execution.Execution()
 
 

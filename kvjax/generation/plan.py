@@ -17,7 +17,7 @@ from kvjax import policies as policies_lib
 from kvjax.cache.paged import round_up
 from kvjax.generation.inputs import Batch, Options
 from kvjax.models.config import LlamaConfig
-from kvjax.policies.layout import Layout
+from kvjax.policies.layout import NO_LIMIT, Layout
 
 # How a run fills its cache.
 ONE_SHOT = "prefill"  # the prompt's forward pass, compressing each layer as it goes
@@ -68,11 +68,9 @@ def plan_run(config: LlamaConfig, batch: Batch, policy: policies_lib.Policy,
 
 
 def _limit(config: LlamaConfig, batch: Batch, layout: Layout) -> np.ndarray:
-  """[B, L, K] int32: decode-evicting policies hold each head at its budget (+ its
-  question); ring layers (sliding-window ones) evict nothing."""
-  ring = np.asarray(layout.windows)[None, :, None] > 0
-  budgets = np.asarray(layout.budgets, np.int32)[None, :, None]
-  limit = np.where(ring, np.iinfo(np.int32).max,
-                   budgets + batch.question_lengths[:, None, None])
-  return np.broadcast_to(limit, (batch.size, config.num_layers,
-                                 config.num_kv_heads)).astype(np.int32)
+  """[B, L, K] int32: decode-evicting policies hold each head at its layer's limit
+  (``Layout.decode_limits``) + its question."""
+  limit = (np.asarray(layout.decode_limits, np.int64)[None, :, None]
+           + batch.question_lengths[:, None, None])
+  return np.broadcast_to(np.minimum(limit, NO_LIMIT), (batch.size, config.num_layers,
+                                                       config.num_kv_heads)).astype(np.int32)

@@ -6,7 +6,7 @@
   store          what a policy keeps of a recorded prompt, into the cache
   prefill_chunk  one prompt chunk: attend to the cache and itself, compress back
   extend         a chunk (the question) appended to the cache uncompressed
-  decode         the whole decode loop, in one ``while_loop``
+  decode         the whole decode loop, in one ``while_loop`` of ``decode_step``s
 
 Each takes the model's parameters and then the cache (argument 1, donated) or
 what stands in its place; its keyword arguments are static. Among them
@@ -182,6 +182,28 @@ def extend(params, cache, tokens, lengths, offsets, *, graphdef, ex):
   return _forward(graphdef, params, tokens, positions, cache, attend, lengths - 1, ex)
 
 
+def decode_step(params, cache, tokens, positions, limit, question, *, graphdef, policy, ex,
+                active=None):
+  """One decode step: the policy's decode rule, then ``tokens`` [B] at ``positions`` [B]
+  through the model, each appended to its sequence's cache.
+
+  ``limit`` [B, L, K] and ``question`` [B, 2] as for ``decode``; ``active`` bool [B]:
+  the sequences that take their token (None: all; ``PagedKVCache.open_token_slots``).
+  Returns (cache, next-token logits [B, V]).
+  """
+  cache = policy.before_decode_step(ex, cache, limit, positions, question)
+  # Every layer's page, position and length at once; each layer stores k and v.
+  cache, slots = cache.open_token_slots(positions, active=active)
+
+  def attend(cache, layer, q, k, v):
+    return attention_lib.decode_attention(cache, layer, q, k, v, positions[:, None],
+                                          accumulate=policy.accumulates_attention,
+                                          slots=slots[:, layer], ex=ex)
+
+  return _forward(graphdef, params, tokens[:, None], positions[:, None], cache, attend,
+                  jnp.zeros_like(positions), ex)
+
+
 def decode(params, cache, first_logits, next_positions, limit, question, seed, stops, sampler,
            pad_id, *, graphdef, policy, max_new_tokens, ex):
   """Greedy or sampled decoding in one while_loop.
@@ -205,18 +227,9 @@ def decode(params, cache, first_logits, next_positions, limit, question, seed, s
   running = functools.partial(DecodeState.running, axes=ex.axes)
 
   def step(state: DecodeState) -> DecodeState:
-    positions = (next_positions + state.step - 1)[:, None]  # [B, 1]
-    cache = policy.before_decode_step(ex, state.cache, limit, positions[:, 0], question)
-    # Every layer's page, position and length at once; each layer stores k and v.
-    cache, slots = cache.open_token_slots(positions[:, 0])
-
-    def attend(cache, layer, q, k, v):
-      return attention_lib.decode_attention(cache, layer, q, k, v, positions,
-                                            accumulate=policy.accumulates_attention,
-                                            slots=slots[:, layer], ex=ex)
-
-    cache, logits = _forward(graphdef, params, state.last()[:, None], positions, cache, attend,
-                             jnp.zeros_like(positions[:, 0]), ex)
+    cache, logits = decode_step(params, state.cache, state.last(),
+                                next_positions + state.step - 1, limit, question,
+                                graphdef=graphdef, policy=policy, ex=ex)
     rng, key = jax.random.split(state.rng)
     return state.advance(sampler(logits, key), cache, rng, pad_id=pad_id, stops=stops)
 

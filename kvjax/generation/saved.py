@@ -102,7 +102,7 @@ def compress(lm: LanguageModel, documents: inputs.Prompts, *,
   """
   if not inputs._is_int(room) or room < 1:  # pylint: disable=protected-access
     raise ValueError(f"room must be a positive int, got {room!r}")
-  options = inputs.Options(max_new_tokens=room, page_size=page_size, backend=backend,
+  options = inputs.Options(max_new_tokens=room, page_size=page_size,
                            pad_multiple=pad_multiple, attention_block=attention_block,
                            prefill_chunk=0, stop_ids=(), temperature=0.0, top_k=0, seed=0,
                            ex=execution.create(backend))
@@ -160,7 +160,7 @@ def answer(lm: LanguageModel, context: CompressedContext,
   if stop_ids is None:
     stop_ids = lm.tokenizer.stop_ids if lm.tokenizer is not None else ()
   options = inputs.Options(
-      max_new_tokens=max_new_tokens, page_size=context.cache.page_size, backend=backend,
+      max_new_tokens=max_new_tokens, page_size=context.cache.page_size,
       pad_multiple=pad_multiple, attention_block=attention_lib.PREFILL_BLOCK, prefill_chunk=0,
       stop_ids=tuple(stop_ids), temperature=temperature, top_k=top_k, seed=seed,
       ex=execution.create(backend))

@@ -14,6 +14,8 @@ import dataclasses
 
 from kvjax.cache.paged import round_up
 
+NO_LIMIT = 2 ** 31 - 1  # int32's largest: a head that never evicts
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -45,6 +47,12 @@ class Layout:
     """Entries ``select`` keeps per layer: the budget; 0 on a ring, which keeps its
     window whatever select says (so a ring never widens select's static shapes)."""
     return tuple(0 if w else b for b, w in zip(self.budgets, self.windows))
+
+  @property
+  def decode_limits(self) -> tuple[int, ...]:
+    """Entries a head of each layer may hold while decoding, beside an appended
+    question: its budget; a ring's is unbounded (a ring evicts nothing)."""
+    return tuple(NO_LIMIT if w else b for b, w in zip(self.budgets, self.windows))
 
   @property
   def max_budget(self) -> int:

@@ -141,10 +141,9 @@ class Engine:
     return int(pages)
 
   def _limit(self) -> np.ndarray:
-    """[L, K] entries a head may hold while decoding; ring layers evict nothing."""
-    ring = np.asarray(self.layout.windows) > 0
-    budgets = np.where(ring, np.iinfo(np.int32).max, np.asarray(self.layout.budgets))
-    return np.broadcast_to(budgets[:, None], (len(budgets), self.lm.config.num_kv_heads))
+    """[L, K] entries a head may hold while decoding (``Layout.decode_limits``)."""
+    limits = np.asarray(self.layout.decode_limits)[:, None]
+    return np.broadcast_to(limits, (len(limits), self.lm.config.num_kv_heads))
 
   # ---------------------------------------------------------------- requests
 
@@ -326,7 +325,7 @@ class _SlotArrays:
 
 def _options(max_tokens: int, page_size: int, prefill_chunk: int) -> inputs.Options:
   """The generate options ``inputs.check`` validates an engine's settings with."""
-  return inputs.Options(max_new_tokens=max_tokens, page_size=page_size, backend="auto",
+  return inputs.Options(max_new_tokens=max_tokens, page_size=page_size,
                         pad_multiple=64, attention_block=512, prefill_chunk=prefill_chunk,
                         stop_ids=(), temperature=0.0, top_k=0, seed=0)
 

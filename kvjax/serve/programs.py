@@ -20,7 +20,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache import attention as attention_lib
 from kvjax.generation import programs as gen_programs
 
 
@@ -103,17 +102,9 @@ def decode(params, cache, slots, *, graphdef, policy, steps, ex):
     cache, s, tokens = carry
     active, positions = s["active"], s["positions"]
     limit = jnp.where(active[:, None, None], s["limit"], no_limit)
-    cache = policy.before_decode_step(ex, cache, limit, positions, question)
-    cache, opened = cache.open_token_slots(positions, active=active)
-
-    def attend(cache, layer, q, k, v):
-      return attention_lib.decode_attention(cache, layer, q, k, v, positions[:, None],
-                                            accumulate=policy.accumulates_attention,
-                                            slots=opened[:, layer], ex=ex)
-
-    cache, logits = gen_programs._forward(  # pylint: disable=protected-access
-        graphdef, params, s["last"][:, None], positions[:, None], cache, attend,
-        jnp.zeros_like(positions), ex)
+    cache, logits = gen_programs.decode_step(params, cache, s["last"], positions, limit,
+                                             question, graphdef=graphdef, policy=policy,
+                                             ex=ex, active=active)
     token = sample(logits, s["temperature"], s["seeds"], positions + 1)
     remaining = s["remaining"] - active
     done = jnp.any(token[:, None] == s["stops"], axis=1) | (remaining <= 0)
