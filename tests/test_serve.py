@@ -39,8 +39,10 @@ def _engine(lm, name, budget, **kw):
   if name == "paged_eviction":
     fields["page_size"] = 8
   policy = policies.get(policy, **fields)
+  # One chunk between two dispatches: long prompts come in while others decode.
   defaults = dict(num_pages=4000, max_slots=4, max_prompt_tokens=512, max_tokens=12,
-                  prefill_chunk=128, page_size=8, steps_per_dispatch=3, backend="xla")
+                  prefill_chunk=128, prefill_per_step=128, page_size=8, steps_per_dispatch=3,
+                  backend="xla")
   return Engine(lm, policy=policy, budget=budget, **{**defaults, **kw}), policy
 
 
@@ -94,8 +96,8 @@ def test_per_head_layouts_are_refused(tiny):
 
 def test_the_pool_bounds_the_running_requests_and_pages_come_back(tiny):
   engine, _ = _engine(tiny, "snapkv", 48)
-  need = engine.pages_for(400, 12)
-  small, _ = _engine(tiny, "snapkv", 48, num_pages=engine.pages_for(512, 12) + need)
+  # Two requests at their most, and the pages one more dispatch may take.
+  small, _ = _engine(tiny, "snapkv", 48, num_pages=2 * engine.pages_for(512, 12) + 12)
   for prompt in _prompts(6, 380, 400):
     small.submit(prompt, max_tokens=12)
   most = 0
@@ -104,7 +106,43 @@ def test_the_pool_bounds_the_running_requests_and_pages_come_back(tiny):
     most = max(most, small.running)
     assert small.pages_in_use <= small.num_pages
   assert most == 2  # two fit at a time, four would by slots alone
-  assert small.stats["admitted"] == 6 and small.pages_in_use == 0
+  assert small.stats["admitted"] == 6 and small.stats["preemptions"] == 0
+  assert small.pages_in_use == 0
+
+
+def test_a_short_pool_preempts_the_newest_and_its_tokens_come_out_the_same(tiny):
+  """Under the full cache, generations grow until the pool runs short: the newest
+  request is preempted, recomputed later, and every request still gets
+  ``generate``'s tokens."""
+  engine, policy = _engine(tiny, "full", None, max_tokens=48, max_prompt_tokens=128)
+  alone = engine.pages_for(engine.max_prompt, engine.max_tokens)
+  engine, policy = _engine(tiny, "full", None, max_tokens=48, max_prompt_tokens=128,
+                           num_pages=alone + alone // 2)
+  prompts = _prompts(4, 90, 120, seed=4)
+  ids = [engine.submit(p, max_tokens=48) for p in prompts]
+  done = {}
+  while engine.has_work:
+    done.update({c.id: c for c in engine.step()})
+    assert int(engine.cache.num_free) >= 0 and engine.pages_in_use <= engine.num_pages
+  assert engine.stats["preemptions"] > 0
+  for prompt, i in zip(prompts, ids):
+    want = kvjax.generate(tiny, [prompt], policy=policy, max_new_tokens=48, prefill_chunk=128,
+                          page_size=8, backend="xla", stop_ids=[])
+    assert done[i].token_ids == want.token_ids[0]
+  assert int(engine.cache.num_free) == engine.num_pages
+
+
+def test_running_requests_decode_while_a_long_prompt_comes_in(tiny):
+  engine, _ = _engine(tiny, "snapkv", 48, max_tokens=12)
+  short = engine.submit(_prompts(1, 30, 31)[0], max_tokens=12)
+  engine.step()
+  engine.submit(_prompts(1, 500, 501)[0], max_tokens=4)  # four chunks
+  seen = []
+  for _ in range(2):  # two of the four chunks
+    engine.step()
+    seen.append(len(engine.tokens_of(short)))
+  assert seen == sorted(seen) and seen[-1] > seen[0]  # it kept generating
+  assert engine.tokens_of(99) is None
 
 
 def test_cancel_gives_the_pages_back_at_once(tiny):
@@ -120,12 +158,13 @@ def test_cancel_gives_the_pages_back_at_once(tiny):
 
 def test_nothing_recompiles_as_requests_come_and_go(tiny):
   engine, _ = _engine(tiny, "snapkv", 48, max_slots=8)
-  warm = [engine.submit(p, max_tokens=4) for p in _prompts(2, 60, 200, seed=7)]
+  # Short prompts, so that some are admitted beside others: every program runs.
+  warm = [engine.submit(p, max_tokens=4) for p in _prompts(3, 20, 60, seed=7)]
   list(engine.run())
   with testing.count_compilations() as compiles:
     got = _staggered(engine, _prompts(100, 20, 500, seed=8),
                      np.random.default_rng(9).integers(1, 13, 100))
-  assert len(got) == 100 and len(warm) == 2
+  assert len(got) == 100 and len(warm) == 3
   assert compiles[0] == 0, f"{compiles[0]} programs compiled while serving"
 
 
@@ -135,9 +174,14 @@ def test_bad_requests_and_sizes_are_refused(tiny):
     engine.submit([11] * 700)
   for kwargs, match in [(dict(max_tokens=0), "max_tokens"), (dict(max_tokens=13), "max_tokens"),
                         (dict(temperature=-1.0), "temperature"), (dict(seed=-1), "seed"),
+                        (dict(top_k=-1), "top_k"), (dict(stop_ids=[TINY.vocab_size]), "stop_ids"),
                         (dict(stop=[""]), "stop"), (dict(stop_ids=list(range(9))), "stop_ids")]:
     with pytest.raises(ValueError, match=match):
       engine.submit([11, 12, 13], **kwargs)
+  with pytest.raises(ValueError, match="one of prompt and messages"):
+    engine.submit()
+  with pytest.raises(ValueError, match="tokenizer"):
+    engine.submit(messages=[{"role": "user", "content": "hi"}])
   with pytest.raises(ValueError, match="cannot hold one request"):
     _engine(tiny, "full", None, num_pages=10)
   with pytest.raises(ValueError, match="one of kv_memory"):
@@ -151,8 +195,11 @@ def test_sampled_requests_are_reproducible_by_seed(tiny):
   engine, _ = _engine(tiny, "snapkv", 48)
   prompt = _prompts(1, 100, 101)[0]
   a, b, c = (engine.submit(prompt, max_tokens=12, temperature=1.0, seed=s) for s in (5, 5, 6))
+  greedy = engine.submit(prompt, max_tokens=12)
+  top1 = engine.submit(prompt, max_tokens=12, temperature=1.0, top_k=1, seed=5)
   out = {x.id: x.token_ids for x in engine.run()}
   assert out[a] == out[b] and out[a] != out[c]
+  assert out[top1] == out[greedy]  # the one most likely token, drawn
 
 
 def test_kv_memory_sizes_the_pool(tiny):
@@ -160,3 +207,17 @@ def test_kv_memory_sizes_the_pool(tiny):
   page_bytes = 2 * 8 * TINY.head_dim * 4
   assert engine.num_pages == 4 * 2 ** 20 // page_bytes
   assert engine.cache.kv_bytes == engine.num_pages * page_bytes
+
+
+def test_chat_messages_are_the_chat_templates_prompt(smollm2_lm):
+  engine = Engine(smollm2_lm, policy="snapkv", budget=96, num_pages=2000, max_slots=2,
+                  max_prompt_tokens=128, max_tokens=6, prefill_chunk=64, backend="xla")
+  text = "Name a colour."
+  rid = engine.submit(messages=[{"role": "user", "content": text}])
+  with pytest.raises(ValueError, match="message 0"):
+    engine.submit(messages=[{"role": "user"}])
+  got, = engine.run()
+  want = kvjax.generate(smollm2_lm, [text], policy="snapkv", budget=96, max_new_tokens=6,
+                        prefill_chunk=64, chat_template=True, backend="xla")
+  assert got.id == rid and got.token_ids == want.token_ids[0][:len(got.token_ids)]
+  assert got.text == want.texts[0][:len(got.text)]

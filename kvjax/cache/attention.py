@@ -530,6 +530,7 @@ def decode_attention(
     *,
     accumulate: bool = False,
     slots: jax.Array | None = None,
+    active: jax.Array | None = None,
     ex: execution.Execution | None = None,
 ) -> tuple[PagedKVCache, jax.Array]:
   """Appends one token per sequence, then attends over the layer's pages.
@@ -543,6 +544,8 @@ def decode_attention(
     slots: [B, K] int32 the layer's part of ``PagedKVCache.open_token_slots``,
       when the step opened every layer's slot already (position and length
       set): only the key and value are stored. None: ``append`` does it all.
+    active: bool [B], the sequences whose attention counts towards ``cache.scores``
+      (None: all): a serving engine's idle or half-prefilled slots add nothing.
 
   Returns:
     (cache, out [B, 1, N, H]).
@@ -564,7 +567,8 @@ def decode_attention(
   received = weights.reshape(b, kh, n // kh, s).mean(2)  # [B, K, S]
   # Whole pages at once: weights are zero past a head's length, and absent pages
   # (-1) are dropped.
-  page = jnp.where(table >= 0, table, cache.num_pages)  # [B, K, P_max]
+  taken = table >= 0 if active is None else (table >= 0) & active[:, None, None]
+  page = jnp.where(taken, table, cache.num_pages)  # [B, K, P_max]
   received = received.reshape(table.shape + (cache.page_size,))
   cache = cache.replace(scores=cache.scores.at[page].add(received, mode="drop"))
   return cache, out[:, None]

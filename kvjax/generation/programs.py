@@ -198,7 +198,7 @@ def decode_step(params, cache, tokens, positions, limit, question, *, graphdef, 
   def attend(cache, layer, q, k, v):
     return attention_lib.decode_attention(cache, layer, q, k, v, positions[:, None],
                                           accumulate=policy.accumulates_attention,
-                                          slots=slots[:, layer], ex=ex)
+                                          slots=slots[:, layer], active=active, ex=ex)
 
   return _forward(graphdef, params, tokens[:, None], positions[:, None], cache, attend,
                   jnp.zeros_like(positions), ex)

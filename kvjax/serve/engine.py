@@ -6,15 +6,24 @@
 
 The pool is sized by the user (``kv_memory`` bytes or ``num_pages``) and
 shared by ``max_slots`` slots, not batch x capacity. A request waits in a
-queue until a slot is free and the pool holds the pages it can ever need at
-the engine's policy and budget (its prompt compressed to the budget, plus its
-new tokens); those pages are set aside for it, so an admitted request never
-runs out of memory. It is then prefilled into its slot (in chunks of
-``prefill_chunk``, compressed after each, where the policy can; else at
-once), and decodes with the running requests, ``steps_per_dispatch`` steps
-per dispatch over every slot. A finished or cancelled request gives its
-pages back at once. Every program is compiled once per shape: nothing
-recompiles as requests come and go.
+queue until a slot is free and the pool has the pages its prompt can take
+(each head at most its capacity under the engine's policy and budget) beside
+what the running requests may grow by in one dispatch. It is prefilled into
+its slot in chunks of ``prefill_chunk``, compressed after each where the
+policy can (else at once), at most ``prefill_per_step`` prompt tokens between
+two decode dispatches, so running requests keep generating while a long
+prompt comes in. It then decodes with them, ``steps_per_dispatch`` steps per
+dispatch over every slot. A finished or cancelled request gives its pages
+back at once.
+
+Never out of memory: before each dispatch the engine checks that the pool's
+free pages cover what every running request can grow by in it; when they do
+not (long generations under a cache that does not evict), the newest request
+is preempted: its pages go back and it waits at the head of the queue, to be
+computed again from its prompt (so its tokens are the same). A request alone
+always fits: the engine refuses a pool that cannot hold one of the longest
+kind. Every program is compiled once per shape: nothing recompiles as
+requests come and go.
 
 A request's greedy tokens are ``generate``'s on its prompt alone
 (tests/test_serve.py), with one layout for all: the engine's, sized for its
@@ -28,7 +37,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -41,17 +50,24 @@ from kvjax.generation import inputs
 from kvjax.models.lm import LanguageModel
 from kvjax.serve import programs
 from kvjax.serve.requests import Completion, Request, parse_bytes
+from kvjax.serve.slots import SlotArrays
 
 MAX_STOP_IDS = 8  # a request's own stop ids, beside the tokenizer's
 
 
 @dataclasses.dataclass
 class _Running:
-  """A request in a slot: what it has generated and the pages set aside for it."""
+  """A request in a slot: how much of its prompt is in, and what it has generated."""
 
   request: Request
-  pages: int
-  tokens: list[int]
+  order: int  # when it was admitted: the newest is preempted first
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  prefilled: int = 0  # prompt tokens in the cache
+  logits: Any = None  # [1, V] the last prefilled chunk's (chunked prefill)
+
+  @property
+  def decoding(self) -> bool:
+    return self.prefilled == len(self.request.ids)
 
 
 class Engine:
@@ -60,8 +76,8 @@ class Engine:
   def __init__(self, lm: LanguageModel, *, policy: str | policies_lib.Policy = "full",
                budget: int | None = None, kv_memory: str | int | None = None,
                num_pages: int | None = None, max_slots: int = 8, max_prompt_tokens: int = 4096,
-               max_tokens: int = 256, prefill_chunk: int = 512, page_size: int = 16,
-               steps_per_dispatch: int = 8, backend: str = "auto"):
+               max_tokens: int = 256, prefill_chunk: int = 512, prefill_per_step: int = 2048,
+               page_size: int = 16, steps_per_dispatch: int = 8, backend: str = "auto"):
     """
     Args:
       lm: the model (``kvjax.load``).
@@ -73,6 +89,8 @@ class Engine:
       max_prompt_tokens, max_tokens: the longest prompt and generation a request may ask
         for (they size each slot's page table, not the pool).
       prefill_chunk: tokens per prefill chunk (policies that compress in chunks).
+      prefill_per_step: prompt tokens prefilled between two decode dispatches (at least
+        one chunk, or one whole prompt of a policy that prefills at once).
       steps_per_dispatch: decode steps per dispatch (the host reads tokens between).
       backend: the kernels (``kvjax.execution.create``).
 
@@ -85,10 +103,11 @@ class Engine:
     (self.policy, self.budget), = inputs.check(lm, [(policy, budget)], _options(
         max_tokens, page_size, chunk))
     for name, value in (("max_slots", max_slots), ("max_prompt_tokens", max_prompt_tokens),
+                        ("prefill_per_step", prefill_per_step),
                         ("steps_per_dispatch", steps_per_dispatch)):
       if not inputs._is_int(value) or value < 1:  # pylint: disable=protected-access
         raise ValueError(f"{name} must be a positive int, got {value!r}")
-    self.chunk = chunk
+    self.chunk, self.prefill_per_step = chunk, prefill_per_step
     self.max_prompt = round_up(max_prompt_tokens, self.chunk or 64)
     self.max_tokens, self.page_size, self.steps = max_tokens, page_size, steps_per_dispatch
     self.layout = self._layout(self.max_prompt, max_tokens)
@@ -106,11 +125,11 @@ class Engine:
         dtype=lm.dtype, windows=self.layout.windows if any(self.layout.windows) else None,
         num_pages=self.num_pages)
     self.stop_ids = tuple(lm.tokenizer.stop_ids) if lm.tokenizer is not None else ()
-    self._slots = _SlotArrays(max_slots, self._limit(), len(self.stop_ids) + MAX_STOP_IDS)
+    self._slots = SlotArrays(max_slots, self._limit(), len(self.stop_ids) + MAX_STOP_IDS)
     self._running: dict[int, _Running] = {}  # slot -> request
     self._queue: collections.deque[Request] = collections.deque()
-    self._free_pages = self.num_pages
-    self._ids = itertools.count()
+    self._free = self.num_pages  # the pool's free pages, as last read
+    self._ids, self._order = itertools.count(), itertools.count()
     self.stats = collections.Counter()
 
   # ---------------------------------------------------------------- sizes
@@ -122,10 +141,23 @@ class Engine:
                               num_kv_heads=cfg.num_kv_heads, windows=cfg.layer_windows)
 
   def pages_for(self, prompt_len: int, max_tokens: int) -> int:
-    """Pages a request can ever hold: each head its capacity, or its tokens when fewer."""
+    """Pages a request can ever hold: each head its capacity, or its tokens when fewer
+    (a policy compresses each chunk back into the capacity, never past it)."""
     tokens = prompt_len + max_tokens
     heads = self.lm.config.num_kv_heads
     return sum(heads * -(-min(c, tokens) // self.page_size) for c in self.layout.capacity)
+
+  def _growth(self, slots: list[int], held: np.ndarray) -> int:
+    """Pages the requests in ``slots`` may take in one decode dispatch: each head a page
+    per ``page_size`` new tokens, rounded up, and no request past all it can hold.
+    ``held`` [S]: the pages each slot holds (``programs.held_pages``)."""
+    cfg = self.lm.config
+    step = cfg.num_layers * cfg.num_kv_heads * -(-self.steps // self.page_size)
+    return sum(min(step, self._most(slot) - int(held[slot])) for slot in slots)
+
+  def _most(self, slot: int) -> int:
+    request = self._running[slot].request
+    return self.pages_for(len(request.ids), request.max_tokens)
 
   def _pool_pages(self, kv_memory, num_pages) -> int:
     if (kv_memory is None) == (num_pages is None):
@@ -147,24 +179,50 @@ class Engine:
 
   # ---------------------------------------------------------------- requests
 
-  def submit(self, prompt: str | Sequence[int], *, max_tokens: int | None = None,
-             temperature: float = 0.0, seed: int = 0, stop: Sequence[str] = (),
+  def submit(self, prompt: str | Sequence[int] | None = None, *,
+             messages: Sequence[Mapping[str, Any]] | None = None, max_tokens: int | None = None,
+             temperature: float = 0.0, top_k: int = 0, seed: int = 0, stop: Sequence[str] = (),
              stop_ids: Sequence[int] = ()) -> int:
-    """Queues a request (``max_tokens`` None: the engine's); returns its id.
+    """Queues a request; returns its id.
+
+    Args:
+      prompt: a string or token ids; or
+      messages: chat turns ({"role", "content"}), rendered with the model's chat template.
+      max_tokens: tokens to generate at most (None: the engine's ``max_tokens``).
+      temperature, top_k, seed: sampling (temperature 0: greedy; top_k 0: every token).
+      stop, stop_ids: strings and token ids that end the completion.
 
     Raises:
-      ValueError: an empty or too long prompt, or bad sampling values.
+      ValueError: not one of prompt and messages, an empty or too long prompt, or bad
+        sampling values.
     """
+    if (prompt is None) == (messages is None):
+      raise ValueError("give a request one of prompt and messages")
+    if messages is not None:
+      prompt = self._render(messages)
+    if isinstance(stop, str):
+      stop = (stop,)
     if len(stop_ids) > MAX_STOP_IDS:
       raise ValueError(f"at most {MAX_STOP_IDS} stop_ids, got {len(stop_ids)}")
     ids, = inputs._tokenize(self.lm, [prompt], "prompt")  # pylint: disable=protected-access
     request = Request.checked(next(self._ids), ids,
                               max_tokens=self.max_tokens if max_tokens is None else max_tokens,
-                              temperature=temperature, seed=seed, stop=tuple(stop),
+                              temperature=temperature, top_k=top_k, seed=seed, stop=tuple(stop),
                               stop_ids=tuple(stop_ids) + self.stop_ids,
-                              max_prompt=self.max_prompt, max_new=self.max_tokens)
+                              max_prompt=self.max_prompt, max_new=self.max_tokens,
+                              vocab=self.lm.config.vocab_size)
     self._queue.append(request)
     return request.id
+
+  def _render(self, messages) -> str:
+    """The chat template's prompt of ``messages`` (ValueError for malformed turns)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+      raise ValueError("messages must be a non-empty list of {'role', 'content'} turns")
+    for i, turn in enumerate(messages):
+      if (not isinstance(turn, Mapping) or not isinstance(turn.get("role"), str)
+          or not isinstance(turn.get("content"), str)):
+        raise ValueError(f"message {i} must have a string 'role' and 'content'")
+    return self.lm.require_tokenizer("chat messages").apply_chat_template(list(messages))
 
   def cancel(self, request_id: int) -> bool:
     """Drops a waiting or running request (its pages go back at once); False if unknown."""
@@ -178,6 +236,16 @@ class Engine:
         return True
     return False
 
+  def tokens_of(self, request_id: int) -> list[int] | None:
+    """The tokens a request has generated so far: [] while it waits, None once it ended
+    (or was never submitted). A preempted request starts again from []."""
+    if any(r.id == request_id for r in self._queue):
+      return []
+    for running in self._running.values():
+      if running.request.id == request_id:
+        return list(running.tokens)
+    return None
+
   @property
   def waiting(self) -> int:
     return len(self._queue)
@@ -187,76 +255,136 @@ class Engine:
     return len(self._running)
 
   @property
+  def has_work(self) -> bool:
+    return bool(self._queue or self._running)
+
+  @property
   def pages_in_use(self) -> int:
-    """Pages the pool holds for the running requests (set aside, not yet all filled)."""
-    return self.num_pages - self._free_pages
+    """Pages of the pool the running requests hold."""
+    return self.num_pages - self._free
 
   # ---------------------------------------------------------------- the loop
 
   def run(self) -> Iterator[Completion]:
     """Steps until no request waits or runs, yielding each completion as it ends."""
-    while self._queue or self._running:
+    while self.has_work:
       yield from self.step()
 
   def step(self) -> list[Completion]:
-    """Admits what fits, then runs one decode dispatch; returns the requests that ended."""
-    done = self._admit()
-    if self._running:
+    """Prefills up to ``prefill_per_step`` prompt tokens (admitting what fits), makes
+    room, then runs one decode dispatch; returns the requests that ended."""
+    done, spent = [], 0
+    while spent < self.prefill_per_step or not self._decoding():
+      slot = self._prefilling()
+      if slot is None:
+        slot = self._admit()
+      if slot is None or not self._fits_next_chunk(slot):
+        break
+      spent += self._prefill_some(slot)
+      self._free = int(self.cache.num_free)
+      if self._running[slot].decoding:
+        done += self._start(slot)
+    self._make_room()
+    if self._decoding():
       done += self._decode()
     return done
 
-  def _admit(self) -> list[Completion]:
-    done = []
-    while self._queue and len(self._running) < self._slots.size:
-      request = self._queue[0]
-      pages = self.pages_for(len(request.ids), request.max_tokens)
-      if pages > self._free_pages:
-        break  # first come, first served: later requests wait behind it
-      self._queue.popleft()
-      slot = next(s for s in range(self._slots.size) if s not in self._running)
-      self._free_pages -= pages
-      self._running[slot] = _Running(request, pages, [])
-      first = self._prefill(slot, request)
-      self.stats["admitted"] += 1
-      done += self._emit({slot: [first]}, ended=self._slots.start(slot, request, first))
-    return done
+  def _decoding(self) -> list[int]:
+    return [s for s, r in self._running.items() if r.decoding]
 
-  def _prefill(self, slot: int, request: Request) -> int:
-    """Fills ``slot`` with the request's prompt; returns its first token."""
-    ids, n = np.asarray(request.ids, np.int32), len(request.ids)
+  def _prefilling(self) -> int | None:
+    return next((s for s, r in self._running.items() if not r.decoding), None)
+
+  def _admit(self) -> int | None:
+    """Gives the first waiting request a slot, if one is free and the pool has room for
+    its prompt beside the running requests' next dispatch; returns the slot."""
+    if not self._queue or len(self._running) == self._slots.size:
+      return None
+    request = self._queue[0]
+    if self._running:  # alone, a request always fits
+      cfg = self.lm.config
+      first = cfg.num_layers * cfg.num_kv_heads * -(-self.steps // self.page_size)
+      need = self.pages_for(len(request.ids), 0) + first
+      if need + self._growth(list(self._running), self._held()) > self._free:
+        return None  # first come, first served: later requests wait behind it
+    self._queue.popleft()
+    slot = next(s for s in range(self._slots.size) if s not in self._running)
+    self._running[slot] = _Running(request, next(self._order))
+    self.stats["admitted"] += 1
+    return slot
+
+  def _held(self) -> np.ndarray:
+    """[S] the pages each slot holds (a host sync)."""
+    return np.asarray(programs.held_pages(self.cache))
+
+  def _fits_next_chunk(self, slot: int) -> bool:
+    """Whether the pool has room for the slot's next prompt chunk beside the decoding
+    requests' next dispatch (else the prompt waits a dispatch: they end and give back)."""
+    running = self._running[slot]
+    if len(self._running) == 1:
+      return True
+    n, held = len(running.request.ids), self._held()
+    after = self.pages_for(n if not self.chunk else min(n, running.prefilled + self.chunk), 0)
+    return after - held[slot] + self._growth(self._decoding(), held) <= self._free
+
+  def _make_room(self) -> None:
+    """Preempts the newest requests until the free pages cover the next dispatch."""
+    while len(self._running) > 1 and self._free < self._growth(self._decoding(), self._held()):
+      slot = max(self._running, key=lambda s: self._running[s].order)
+      self._queue.appendleft(self._running[slot].request)
+      self._release([slot])
+      self.stats["preemptions"] += 1
+
+  def _prefill_some(self, slot: int) -> int:
+    """Prefills the next chunk of the slot's prompt (all of it for a one-shot policy);
+    returns the tokens it took."""
+    running = self._running[slot]
+    ids = np.asarray(running.request.ids, np.int32)
     statics = dict(graphdef=self.lm.graphdef, policy=self.policy, layout=self.layout,
                    ex=self.ex)
-    if self.chunk:
-      c = self.chunk
-      logits = jnp.zeros((1, self.lm.config.vocab_size), jnp.float32)
-      for start in range(0, n, c):
-        tokens = np.zeros((1, c), np.int32)
-        part = ids[start:start + c]
-        tokens[0, :len(part)] = part
-        self.cache, logits = programs.prefill_chunk(
-            self.lm.params, self.cache, jnp.int32(slot), tokens, np.asarray([len(part)], np.int32),
-            np.asarray([start], np.int32), logits, **statics)
-    else:
-      tokens = np.zeros((1, _bucket(n)), np.int32)
-      tokens[0, :n] = ids
-      self.cache, logits = programs.prefill(
-          self.lm.params, self.cache, jnp.int32(slot), tokens, np.asarray([n], np.int32),
-          block=512, **statics)
-    first = programs.first_token(logits, jnp.asarray([request.temperature], jnp.float32),
-                                 jnp.asarray([request.seed], jnp.uint32),
-                                 jnp.asarray([n], jnp.int32))
-    return int(first[0])
+    if not self.chunk:
+      tokens = np.zeros((1, _bucket(len(ids))), np.int32)
+      tokens[0, :len(ids)] = ids
+      self.cache, running.logits = programs.prefill(
+          self.lm.params, self.cache, jnp.int32(slot), tokens,
+          np.asarray([len(ids)], np.int32), block=512, **statics)
+      running.prefilled = len(ids)
+      return len(ids)
+    start = running.prefilled
+    if running.logits is None:
+      running.logits = jnp.zeros((1, self.lm.config.vocab_size), jnp.float32)
+    part = ids[start:start + self.chunk]
+    tokens = np.zeros((1, self.chunk), np.int32)
+    tokens[0, :len(part)] = part
+    self.cache, running.logits = programs.prefill_chunk(
+        self.lm.params, self.cache, jnp.int32(slot), tokens, np.asarray([len(part)], np.int32),
+        np.asarray([start], np.int32), running.logits, **statics)
+    running.prefilled += len(part)
+    return len(part)
+
+  def _start(self, slot: int) -> list[Completion]:
+    """Draws a prefilled request's first token and sets its slot decoding."""
+    running = self._running[slot]
+    request, logits, running.logits = running.request, running.logits, None
+    first = programs.first_token(
+        logits, jnp.asarray([request.temperature], jnp.float32),
+        jnp.asarray([request.top_k], jnp.int32), jnp.asarray([request.seed], jnp.uint32),
+        jnp.asarray([len(request.ids)], jnp.int32))
+    first = int(first[0])
+    ended = self._slots.start(slot, request, first)
+    return self._emit({slot: [first]}, ended={slot} if ended else set())
 
   def _decode(self) -> list[Completion]:
-    self.cache, arrays, tokens = programs.decode(
+    self.cache, arrays, tokens, free = programs.decode(
         self.lm.params, self.cache, self._slots.arrays, graphdef=self.lm.graphdef,
         policy=self.policy, steps=self.steps, ex=self.ex)
     self._slots.arrays = arrays
-    tokens = np.asarray(tokens)  # the one host sync of a dispatch
-    active = np.asarray(arrays["active"])
+    tokens, self._free = np.asarray(tokens), int(free)  # the one host sync of a dispatch
+    active = self._slots.active()
     self.stats["dispatches"] += 1
-    new = {slot: [int(t) for t in tokens[slot] if t >= 0] for slot in self._running}
-    return self._emit(new, ended={s for s in self._running if not active[s]})
+    decoding = self._decoding()
+    new = {slot: [int(t) for t in tokens[slot] if t >= 0] for slot in decoding}
+    return self._emit(new, ended={s for s in decoding if not active[s]})
 
   def _emit(self, new: dict[int, list[int]], ended: set[int]) -> list[Completion]:
     """Appends new tokens; ends the requests that stopped (ids, strings) or ran out."""
@@ -265,12 +393,13 @@ class Engine:
       running = self._running[slot]
       running.tokens += tokens
       self.stats["tokens"] += len(tokens)
-      text = self._text(running.tokens)
-      if any(s in text for s in running.request.stop):
+      if running.request.stop and any(s in self._text(running.tokens)
+                                      for s in running.request.stop):
         stop_now.add(slot)
     for slot in sorted(stop_now):
       running = self._running[slot]
       done.append(Completion.of(running.request, running.tokens, self._text(running.tokens)))
+    self.stats["finished"] += len(done)
     self._release(sorted(stop_now))
     return done
 
@@ -285,42 +414,9 @@ class Engine:
     mask[slots] = True
     self.cache = programs.reset(self.cache, jnp.asarray(mask))
     for slot in slots:
-      self._free_pages += self._running.pop(slot).pages
+      del self._running[slot]
       self._slots.stop(slot)
-
-
-class _SlotArrays:
-  """The decode program's per-slot arrays (``programs.decode``), kept on the host side."""
-
-  def __init__(self, size: int, limit: np.ndarray, num_stops: int):
-    self.size, self.num_stops = size, num_stops
-    self.limit = limit.astype(np.int32)
-    self.arrays = {
-        "last": np.zeros(size, np.int32), "positions": np.zeros(size, np.int32),
-        "active": np.zeros(size, bool), "remaining": np.zeros(size, np.int32),
-        "limit": np.broadcast_to(self.limit, (size,) + limit.shape).copy(),
-        "temperature": np.zeros(size, np.float32), "seeds": np.zeros(size, np.uint32),
-        "stops": np.full((size, num_stops), -1, np.int32)}
-
-  def _set(self, slot: int, **values) -> None:
-    arrays = {k: np.array(v) for k, v in self.arrays.items()}
-    for name, value in values.items():
-      arrays[name][slot] = value
-    self.arrays = arrays
-
-  def start(self, slot: int, request: Request, first: int) -> set[int]:
-    """Sets the slot running from its first token; returns {slot} if that token ends it."""
-    stops = np.full(self.num_stops, -1, np.int32)
-    ids = request.stop_ids[:self.num_stops]
-    stops[:len(ids)] = ids
-    ended = first in request.stop_ids or request.max_tokens == 1
-    self._set(slot, last=first, positions=len(request.ids), active=not ended,
-              remaining=request.max_tokens - 1, temperature=request.temperature,
-              seeds=request.seed, stops=stops)
-    return {slot} if ended else set()
-
-  def stop(self, slot: int) -> None:
-    self._set(slot, active=False, remaining=0)
+    self._free = int(self.cache.num_free)
 
 
 def _options(max_tokens: int, page_size: int, prefill_chunk: int) -> inputs.Options:

@@ -23,7 +23,6 @@ import jax.numpy as jnp
 from kvjax.generation import programs as gen_programs
 
 
-
 def _jit(*statics):
   """jit with the cache (argument 1) donated and ``statics`` static."""
   return functools.partial(jax.jit, static_argnames=statics, donate_argnums=(1,))
@@ -69,17 +68,36 @@ def reset(cache, slots):
   return cache.reset(slots)
 
 
-def sample(logits, temperature, seeds, positions):
+@jax.jit
+def held_pages(cache):
+  """[S] int32 the pages each slot holds, over every layer and KV head."""
+  return (cache.page_table >= 0).sum((1, 2, 3), dtype=jnp.int32)
+
+
+def sample(logits, temperature, top_k, seeds, positions):
   """Each row's next token [S] int32: the most likely at temperature 0, else drawn from
-  softmax(logits / temperature) with a key of the row's seed and position."""
+  softmax(logits / temperature) over the row's ``top_k`` most likely tokens (0: all),
+  with a key of the row's seed and position, so a request's draws do not depend on
+  the other slots or on when it was scheduled."""
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-  def draw(row, t, seed, pos):
-    key = jax.random.fold_in(jax.random.key(seed), pos)
-    return jax.random.categorical(key, row / jnp.maximum(t, 1e-6)).astype(jnp.int32)
+  def draw():
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    scaled = jax.lax.cond(jnp.any(top_k > 0), _top_k_only, lambda s, _: s, scaled, top_k)
+    keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.key(seed), pos))(
+        seeds, positions)
+    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, greedy)
 
-  drawn = jax.vmap(draw)(logits, temperature, seeds, positions)
-  return jnp.where(temperature > 0, drawn, greedy)
+  # A greedy batch draws nothing: the branch not taken costs nothing.
+  return jax.lax.cond(jnp.any(temperature > 0), draw, lambda: greedy)
+
+
+def _top_k_only(scaled, top_k):
+  """scaled [S, V] with -inf below each row's ``top_k``-th largest (rows with 0 kept)."""
+  ranked = -jnp.sort(-scaled, axis=-1)
+  kth = jnp.take_along_axis(ranked, jnp.clip(top_k - 1, 0, scaled.shape[1] - 1)[:, None], 1)
+  return jnp.where((top_k[:, None] > 0) & (scaled < kth), -jnp.inf, scaled)
 
 
 first_token = jax.jit(sample)
@@ -87,13 +105,12 @@ first_token = jax.jit(sample)
 
 @_jit("graphdef", "policy", "steps", "ex")
 def decode(params, cache, slots, *, graphdef, policy, steps, ex):
-  """``steps`` decode steps over every slot; returns (cache, slots, tokens [S, steps]).
+  """``steps`` decode steps over every slot; returns (cache, slots, tokens [S, steps],
+  free pages).
 
-  ``slots`` (``engine.SlotState``'s arrays): last [S] the token to feed, positions
-  [S] its position, active [S] bool, remaining [S] tokens still to generate,
-  limit [S, L, K] entries a head may hold, temperature [S], seeds [S], stops
-  [S, M] stop ids (-1 pads). A slot ends on a stop id or when nothing remains;
-  tokens are -1 where a slot was not active.
+  ``slots``: ``SlotArrays.arrays`` (serve/slots.py). A slot ends on a stop id or
+  when nothing remains; tokens are -1 where a slot was not active. Also returns
+  the pool's free pages, read with the tokens in the dispatch's one host sync.
   """
   question = jnp.zeros(slots["positions"].shape + (2,), jnp.int32)
   no_limit = jnp.iinfo(jnp.int32).max
@@ -105,7 +122,7 @@ def decode(params, cache, slots, *, graphdef, policy, steps, ex):
     cache, logits = gen_programs.decode_step(params, cache, s["last"], positions, limit,
                                              question, graphdef=graphdef, policy=policy,
                                              ex=ex, active=active)
-    token = sample(logits, s["temperature"], s["seeds"], positions + 1)
+    token = sample(logits, s["temperature"], s["top_k"], s["seeds"], positions + 1)
     remaining = s["remaining"] - active
     done = jnp.any(token[:, None] == s["stops"], axis=1) | (remaining <= 0)
     s = dict(s, last=jnp.where(active, token, s["last"]), positions=positions + active,
@@ -113,4 +130,5 @@ def decode(params, cache, slots, *, graphdef, policy, steps, ex):
     return cache, s, tokens.at[:, i].set(jnp.where(active, token, -1))
 
   tokens = jnp.full((slots["last"].shape[0], steps), -1, jnp.int32)
-  return jax.lax.fori_loop(0, steps, step, (cache, slots, tokens))
+  cache, slots, tokens = jax.lax.fori_loop(0, steps, step, (cache, slots, tokens))
+  return cache, slots, tokens, cache.num_free

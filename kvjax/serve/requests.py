@@ -36,13 +36,14 @@ class Request:
   ids: tuple[int, ...]  # the prompt's token ids
   max_tokens: int  # tokens to generate at most (a stop id counts)
   temperature: float  # 0: greedy
+  top_k: int  # sample among the k most likely tokens (0: all)
   seed: int  # the draws' seed (temperature > 0)
   stop: tuple[str, ...]  # strings that end the completion (the text up to them is kept)
   stop_ids: tuple[int, ...]  # ids that end it (the tokenizer's stop ids among them)
 
   @classmethod
-  def checked(cls, request_id: int, ids, *, max_tokens, temperature, seed, stop, stop_ids,
-              max_prompt: int, max_new: int) -> "Request":
+  def checked(cls, request_id: int, ids, *, max_tokens, temperature, top_k, seed, stop,
+              stop_ids, max_prompt: int, max_new: int, vocab: int) -> "Request":
     """The request, or ValueError naming the bad value."""
     if len(ids) > max_prompt:
       raise ValueError(f"prompt of {len(ids)} tokens exceeds the engine's max_prompt_tokens "
@@ -52,14 +53,16 @@ class Request:
     if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
         or not math.isfinite(temperature) or temperature < 0):
       raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if not _is_int(top_k) or not 0 <= top_k <= vocab:
+      raise ValueError(f"top_k must be an int in [0, {vocab}], got {top_k!r}")
     if not _is_int(seed) or not 0 <= seed < 2 ** 32:
       raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
     if not all(isinstance(s, str) and s for s in stop):
       raise ValueError(f"stop must be non-empty strings, got {stop!r}")
-    if not all(_is_int(t) and t >= 0 for t in stop_ids):
+    if not all(_is_int(t) and 0 <= t < vocab for t in stop_ids):
       raise ValueError(f"stop_ids must be token ids, got {stop_ids!r}")
     return cls(request_id, tuple(int(t) for t in ids), int(max_tokens), float(temperature),
-               int(seed), tuple(stop), tuple(dict.fromkeys(int(t) for t in stop_ids)))
+               int(top_k), int(seed), tuple(stop), tuple(dict.fromkeys(int(t) for t in stop_ids)))
 
 
 @dataclasses.dataclass(frozen=True)
