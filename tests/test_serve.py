@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -221,3 +226,38 @@ def test_chat_messages_are_the_chat_templates_prompt(smollm2_lm):
                         prefill_chunk=64, chat_template=True, backend="xla")
   assert got.id == rid and got.token_ids == want.token_ids[0][:len(got.token_ids)]
   assert got.text == want.texts[0][:len(got.text)]
+
+
+def test_on_a_mesh_each_request_gets_the_single_devices_tokens():
+  """Slots over the data axis (each shard's in its own part of the pool), KV heads
+  over the model axis: the same tokens as on one device, every page back."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu")
+  done = subprocess.run([sys.executable, __file__, "data:2,model:2", "snapkv:48,h2o:48"],
+                        env=env, capture_output=True, text=True, timeout=900)
+  assert done.returncode == 0, done.stderr[-3000:]
+  for name, row in json.loads(done.stdout.splitlines()[-1]).items():
+    assert row["same_tokens"] and row["preempted"] == 0, (name, row)
+    assert row["free"] == row["pages"] == 4000, (name, row)
+
+
+def _mesh_job(shape: str, configs: str) -> None:
+  """Runs a staggered workload on one device and on a mesh of ``shape``; prints JSON."""
+  from kvjax import sharding  # pylint: disable=import-outside-toplevel
+  tiny = kvjax.init_random(TINY, seed=2)
+  mesh, out = sharding.make_mesh(shape), {}
+  for config in configs.split(","):
+    name, budget = config.split(":")
+    prompts = _prompts(6, 60, 400)
+    max_tokens = np.random.default_rng(3).integers(1, 13, len(prompts))
+    alone, _ = _engine(tiny, name, int(budget))
+    meshed, _ = _engine(tiny, name, int(budget), mesh=mesh)
+    want = [c.token_ids for c in _staggered(alone, prompts, max_tokens)]
+    got = [c.token_ids for c in _staggered(meshed, prompts, max_tokens)]
+    out[name] = dict(same_tokens=want == got, preempted=meshed.stats["preemptions"],
+                     free=int(np.asarray(meshed.cache.num_free).sum()), pages=meshed.num_pages)
+  print(json.dumps(out))
+
+
+if __name__ == "__main__":
+  _mesh_job(*sys.argv[1:])

@@ -21,7 +21,7 @@ from kvjax import buffer_memory
 # Names of generate's programs (``kvjax.generation.programs``).
 PROGRAM_NAMES = ("prefill", "prefill_chunk", "record", "score", "store", "extend", "decode")
 
-# Programs compiled so far, per name.
+# Programs compiled so far: generate's per name, other callers' per module.name.
 COMPILE_COUNT = dict.fromkeys(PROGRAM_NAMES, 0)
 
 # XLA compile options for the programs on a CPU: program name -> options, "*"
@@ -49,14 +49,15 @@ def compile_lowered(lowered: jax.stages.Lowered, name: str) -> jax.stages.Compil
     return lowered.compile()
 
 
-def compiled(fn: Callable, args: tuple, statics: dict, mesh=None
+def compiled(fn: Callable, args: tuple, statics: dict, mesh=None, kinds=None
              ) -> tuple[jax.stages.Compiled, float]:
   """The compiled program of ``fn`` for these statics and argument shapes.
 
   ``args`` may be abstract (``jax.ShapeDtypeStruct``), to compile before the
   arrays exist. Argument 1 (the cache) is donated so XLA updates the page
   pool in place. A ``mesh`` (not None) compiles the program to run per
-  device on that mesh (``kvjax.sharding.programs``).
+  device on that mesh (``kvjax.sharding.programs``), its arguments and results
+  laid out as ``kinds`` says (None: generate's, ``programs.MESH_KINDS``).
 
   Returns:
     (the program, seconds spent compiling now: 0 when it was compiled before).
@@ -64,7 +65,7 @@ def compiled(fn: Callable, args: tuple, statics: dict, mesh=None
   name = fn.__name__
   shapes = jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), args)
   key = (name, tuple(sorted(statics.items(), key=lambda kv: kv[0])), mesh,
-         jax.tree.structure(args), tuple(jax.tree.leaves(shapes)))
+         jax.tree.structure(args), tuple(jax.tree.leaves(shapes)), fn.__module__)
   if key in _PROGRAMS:
     return _PROGRAMS[key], 0.0
   start = time.perf_counter()
@@ -74,10 +75,11 @@ def compiled(fn: Callable, args: tuple, statics: dict, mesh=None
   else:
     from kvjax.generation.programs import MESH_KINDS
     from kvjax.sharding import programs as mesh_programs
-    program = mesh_programs.compile(fn, args, statics, mesh, MESH_KINDS[name],
+    program = mesh_programs.compile(fn, args, statics, mesh, kinds or MESH_KINDS[name],
                                     functools.partial(compile_lowered, name=name))
   _PROGRAMS[key] = program
-  COMPILE_COUNT[name] += 1
+  counted = name if kinds is None else f"{fn.__module__}.{name}"
+  COMPILE_COUNT[counted] = COMPILE_COUNT.get(counted, 0) + 1
   return program, time.perf_counter() - start
 
 

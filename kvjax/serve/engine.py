@@ -48,9 +48,13 @@ from kvjax import policies as policies_lib
 from kvjax.cache.paged import PagedKVCache, round_up
 from kvjax.generation import inputs
 from kvjax.models.lm import LanguageModel
+from kvjax.generation import compile as compile_lib
 from kvjax.serve import programs
+from kvjax.serve.pool import PageBook
 from kvjax.serve.requests import Completion, Request, parse_bytes
 from kvjax.serve.slots import SlotArrays
+from kvjax.sharding import layout as mesh_layout
+from kvjax.sharding import mesh as mesh_lib
 
 MAX_STOP_IDS = 8  # a request's own stop ids, beside the tokenizer's
 
@@ -77,7 +81,8 @@ class Engine:
                budget: int | None = None, kv_memory: str | int | None = None,
                num_pages: int | None = None, max_slots: int = 8, max_prompt_tokens: int = 4096,
                max_tokens: int = 256, prefill_chunk: int = 512, prefill_per_step: int = 2048,
-               page_size: int = 16, steps_per_dispatch: int = 8, backend: str = "auto"):
+               page_size: int = 16, steps_per_dispatch: int = 8, backend: str = "auto",
+               mesh: jax.sharding.Mesh | None = None):
     """
     Args:
       lm: the model (``kvjax.load``).
@@ -93,12 +98,15 @@ class Engine:
         one chunk, or one whole prompt of a policy that prefills at once).
       steps_per_dispatch: decode steps per dispatch (the host reads tokens between).
       backend: the kernels (``kvjax.execution.create``).
+      mesh: a (data, model) mesh (``kvjax.sharding.make_mesh``): slots split over data,
+        each data shard's in its own part of the pool, KV heads over model.
 
     Raises:
-      ValueError: a bad argument, a policy the engine cannot serve, or a pool that
-        cannot hold one request of the longest kind.
+      ValueError: a bad argument, a policy the engine cannot serve, a mesh that cannot
+        split the model or slots, or a pool that cannot hold one request of the longest
+        kind.
     """
-    self.lm, self.ex = lm, execution.create(backend)
+    self.lm, self.ex, self.mesh = lm, execution.create(backend), mesh
     chunk = prefill_chunk if policies_lib.get(policy).chunked_prefill else 0
     (self.policy, self.budget), = inputs.check(lm, [(policy, budget)], _options(
         max_tokens, page_size, chunk))
@@ -118,17 +126,25 @@ class Engine:
     if self.max_prompt + max_tokens > cfg.max_position_embeddings:
       raise ValueError(f"max_prompt_tokens + max_tokens exceed the model's context of "
                        f"{cfg.max_position_embeddings}")
-    self.num_pages = self._pool_pages(kv_memory, num_pages)
-    self.cache = PagedKVCache.create(
-        batch_size=max_slots, capacity=self.layout.capacity, num_layers=cfg.num_layers,
-        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=page_size,
-        dtype=lm.dtype, windows=self.layout.windows if any(self.layout.windows) else None,
-        num_pages=self.num_pages)
+    if mesh is not None:
+      mesh_lib.check_mesh(mesh, cfg, max_slots)
+      self.lm = mesh_layout.shard_model(lm, mesh)
+    shards = mesh_lib.mesh_sizes(mesh)
+    self.pages = PageBook(self.layout, num_kv_heads=cfg.num_kv_heads, page_size=page_size,
+                          steps=steps_per_dispatch, num_pages=self._pool_pages(
+                              kv_memory, num_pages, shards), blocks=shards, slots=max_slots)
+    self.num_pages = self.pages.num_pages
+    sizes = dict(batch_size=max_slots, capacity=self.layout.capacity, num_layers=cfg.num_layers,
+                 num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=page_size,
+                 dtype=lm.dtype, windows=self.layout.windows if any(self.layout.windows) else None,
+                 num_pages=self.num_pages)
+    self.cache = (PagedKVCache.create(**sizes) if mesh is None
+                  else mesh_layout.empty_cache(mesh, **sizes))
     self.stop_ids = tuple(lm.tokenizer.stop_ids) if lm.tokenizer is not None else ()
-    self._slots = SlotArrays(max_slots, self._limit(), len(self.stop_ids) + MAX_STOP_IDS)
+    self._slots = SlotArrays(max_slots, len(self.stop_ids) + MAX_STOP_IDS)
+    self._limit = np.broadcast_to(self._head_limits(), (max_slots,) + self._head_limits().shape)
     self._running: dict[int, _Running] = {}  # slot -> request
     self._queue: collections.deque[Request] = collections.deque()
-    self._free = self.num_pages  # the pool's free pages, as last read
     self._ids, self._order = itertools.count(), itertools.count()
     self.stats = collections.Counter()
 
@@ -141,40 +157,34 @@ class Engine:
                               num_kv_heads=cfg.num_kv_heads, windows=cfg.layer_windows)
 
   def pages_for(self, prompt_len: int, max_tokens: int) -> int:
-    """Pages a request can ever hold: each head its capacity, or its tokens when fewer
-    (a policy compresses each chunk back into the capacity, never past it)."""
-    tokens = prompt_len + max_tokens
-    heads = self.lm.config.num_kv_heads
-    return sum(heads * -(-min(c, tokens) // self.page_size) for c in self.layout.capacity)
+    """Pages a request can ever hold (``PageBook.most``)."""
+    return self.pages.most(prompt_len, max_tokens)
 
-  def _growth(self, slots: list[int], held: np.ndarray) -> int:
-    """Pages the requests in ``slots`` may take in one decode dispatch: each head a page
-    per ``page_size`` new tokens, rounded up, and no request past all it can hold.
-    ``held`` [S]: the pages each slot holds (``programs.held_pages``)."""
-    cfg = self.lm.config
-    step = cfg.num_layers * cfg.num_kv_heads * -(-self.steps // self.page_size)
-    return sum(min(step, self._most(slot) - int(held[slot])) for slot in slots)
-
-  def _most(self, slot: int) -> int:
-    request = self._running[slot].request
-    return self.pages_for(len(request.ids), request.max_tokens)
-
-  def _pool_pages(self, kv_memory, num_pages) -> int:
+  def _pool_pages(self, kv_memory, num_pages, shards: tuple[int, int]) -> int:
+    """The pool's pages: whole blocks, one per device, each data shard's able to hold
+    one request of the longest kind."""
     if (kv_memory is None) == (num_pages is None):
       raise ValueError("give the pool's size as one of kv_memory (bytes) or num_pages")
     cfg = self.lm.config
     page_bytes = 2 * self.page_size * cfg.head_dim * jnp.dtype(self.lm.dtype).itemsize
     pages = parse_bytes(kv_memory) // page_bytes if num_pages is None else num_pages
-    need = self.pages_for(self.max_prompt, self.max_tokens)
-    if not inputs._is_int(pages) or pages < need:  # pylint: disable=protected-access
-      raise ValueError(f"a pool of {pages} pages cannot hold one request of the longest kind "
-                       f"({need} pages: {self.max_prompt} prompt + {self.max_tokens} new "
-                       f"tokens under {self.policy.name!r}); give it more memory")
+    if not inputs._is_int(pages):  # pylint: disable=protected-access
+      raise ValueError(f"num_pages must be an int, got {pages!r}")
+    devices = shards[0] * shards[1]
+    pages -= pages % devices
+    need = PageBook(self.layout, num_kv_heads=cfg.num_kv_heads, page_size=self.page_size,
+                    steps=1, num_pages=1, blocks=(1, 1), slots=1).most(
+                        self.max_prompt, self.max_tokens)
+    if pages // shards[0] < need:
+      per = f" per data shard ({shards[0]})" if shards[0] > 1 else ""
+      raise ValueError(f"a pool of {pages} pages cannot hold one request of the longest kind"
+                       f"{per} ({need} pages: {self.max_prompt} prompt + {self.max_tokens} "
+                       f"new tokens under {self.policy.name!r}); give it more memory")
     return int(pages)
 
-  def _limit(self) -> np.ndarray:
+  def _head_limits(self) -> np.ndarray:
     """[L, K] entries a head may hold while decoding (``Layout.decode_limits``)."""
-    limits = np.asarray(self.layout.decode_limits)[:, None]
+    limits = np.asarray(self.layout.decode_limits, np.int32)[:, None]
     return np.broadcast_to(limits, (len(limits), self.lm.config.num_kv_heads))
 
   # ---------------------------------------------------------------- requests
@@ -260,8 +270,8 @@ class Engine:
 
   @property
   def pages_in_use(self) -> int:
-    """Pages of the pool the running requests hold."""
-    return self.num_pages - self._free
+    """Pages of the pool the running requests hold (as last read)."""
+    return self.pages.in_use
 
   # ---------------------------------------------------------------- the loop
 
@@ -281,7 +291,7 @@ class Engine:
       if slot is None or not self._fits_next_chunk(slot):
         break
       spent += self._prefill_some(slot)
-      self._free = int(self.cache.num_free)
+      self.pages.read(self.cache.num_free)
       if self._running[slot].decoding:
         done += self._start(slot)
     self._make_room()
@@ -289,78 +299,99 @@ class Engine:
       done += self._decode()
     return done
 
-  def _decoding(self) -> list[int]:
-    return [s for s, r in self._running.items() if r.decoding]
+  def _decoding(self, block: int | None = None) -> list[int]:
+    return [s for s, r in self._running.items()
+            if r.decoding and (block is None or self.pages.block(s) == block)]
+
+  def _in_block(self, block: int) -> list[int]:
+    return [s for s in self._running if self.pages.block(s) == block]
 
   def _prefilling(self) -> int | None:
     return next((s for s, r in self._running.items() if not r.decoding), None)
 
-  def _admit(self) -> int | None:
-    """Gives the first waiting request a slot, if one is free and the pool has room for
-    its prompt beside the running requests' next dispatch; returns the slot."""
-    if not self._queue or len(self._running) == self._slots.size:
-      return None
-    request = self._queue[0]
-    if self._running:  # alone, a request always fits
-      cfg = self.lm.config
-      first = cfg.num_layers * cfg.num_kv_heads * -(-self.steps // self.page_size)
-      need = self.pages_for(len(request.ids), 0) + first
-      if need + self._growth(list(self._running), self._held()) > self._free:
-        return None  # first come, first served: later requests wait behind it
-    self._queue.popleft()
-    slot = next(s for s in range(self._slots.size) if s not in self._running)
-    self._running[slot] = _Running(request, next(self._order))
-    self.stats["admitted"] += 1
-    return slot
+  def _growth(self, slots: list[int], held: np.ndarray) -> int:
+    """Pages the requests in ``slots`` may take in one decode dispatch."""
+    most = lambda s: self.pages_for(len(self._running[s].request.ids),
+                                    self._running[s].request.max_tokens)
+    return self.pages.growth([(most(s), int(held[s])) for s in slots])
 
   def _held(self) -> np.ndarray:
     """[S] the pages each slot holds (a host sync)."""
     return np.asarray(programs.held_pages(self.cache))
 
+  def _admit(self) -> int | None:
+    """Gives the first waiting request a free slot in the block with the most room, if
+    the block is empty or has room for its prompt beside its requests' next dispatch;
+    returns the slot."""
+    if not self._queue or len(self._running) == self._slots.size:
+      return None
+    request, held = self._queue[0], self._held()
+    need = self.pages_for(len(request.ids), 0) + self.pages.per_dispatch
+    free = [s for s in range(self._slots.size) if s not in self._running]
+    fits = [s for s in free if not self._in_block(self.pages.block(s))
+            or need + self._growth(self._in_block(self.pages.block(s)), held)
+            <= self.pages.free[self.pages.block(s)]]
+    if not fits:
+      return None  # first come, first served: later requests wait behind it
+    slot = max(fits, key=lambda s: (self.pages.free[self.pages.block(s)], -s))
+    self._queue.popleft()
+    self._running[slot] = _Running(request, next(self._order))
+    self.stats["admitted"] += 1
+    return slot
+
   def _fits_next_chunk(self, slot: int) -> bool:
-    """Whether the pool has room for the slot's next prompt chunk beside the decoding
+    """Whether the slot's block has room for its next prompt chunk beside its decoding
     requests' next dispatch (else the prompt waits a dispatch: they end and give back)."""
-    running = self._running[slot]
-    if len(self._running) == 1:
-      return True
-    n, held = len(running.request.ids), self._held()
+    block = self.pages.block(slot)
+    if len(self._in_block(block)) == 1:
+      return True  # alone, a request always fits
+    running, held = self._running[slot], self._held()
+    n = len(running.request.ids)
     after = self.pages_for(n if not self.chunk else min(n, running.prefilled + self.chunk), 0)
-    return after - held[slot] + self._growth(self._decoding(), held) <= self._free
+    return (after - held[slot] + self._growth(self._decoding(block), held)
+            <= self.pages.free[block])
 
   def _make_room(self) -> None:
-    """Preempts the newest requests until the free pages cover the next dispatch."""
-    while len(self._running) > 1 and self._free < self._growth(self._decoding(), self._held()):
-      slot = max(self._running, key=lambda s: self._running[s].order)
-      self._queue.appendleft(self._running[slot].request)
-      self._release([slot])
-      self.stats["preemptions"] += 1
+    """Preempts the newest requests of each block until its free pages cover the next
+    dispatch: each goes back to the head of the queue, to be computed again."""
+    for block in range(self.pages.data):
+      while (len(self._in_block(block)) > 1 and self.pages.free[block]
+             < self._growth(self._decoding(block), self._held())):
+        slot = max(self._in_block(block), key=lambda s: self._running[s].order)
+        self._queue.appendleft(self._running[slot].request)
+        self._release([slot])
+        self.stats["preemptions"] += 1
+
+  def _run(self, fn, *args, **statics):
+    """``fn``'s program, compiled once per shape (on the mesh, if any), on ``args``."""
+    program, _ = compile_lib.compiled(fn, args, dict(statics, ex=self.ex), self.mesh,
+                                      programs.MESH_KINDS[fn.__name__])
+    return program(*args)
 
   def _prefill_some(self, slot: int) -> int:
     """Prefills the next chunk of the slot's prompt (all of it for a one-shot policy);
     returns the tokens it took."""
     running = self._running[slot]
-    ids = np.asarray(running.request.ids, np.int32)
-    statics = dict(graphdef=self.lm.graphdef, policy=self.policy, layout=self.layout,
-                   ex=self.ex)
+    ids, start = np.asarray(running.request.ids, np.int32), running.prefilled
+    statics = dict(graphdef=self.lm.graphdef, policy=self.policy, layout=self.layout)
+    if running.logits is None:
+      running.logits = np.zeros((1, self.lm.config.vocab_size), np.float32)
     if not self.chunk:
       tokens = np.zeros((1, _bucket(len(ids))), np.int32)
       tokens[0, :len(ids)] = ids
-      self.cache, running.logits = programs.prefill(
-          self.lm.params, self.cache, jnp.int32(slot), tokens,
-          np.asarray([len(ids)], np.int32), block=512, **statics)
-      running.prefilled = len(ids)
-      return len(ids)
-    start = running.prefilled
-    if running.logits is None:
-      running.logits = jnp.zeros((1, self.lm.config.vocab_size), jnp.float32)
-    part = ids[start:start + self.chunk]
-    tokens = np.zeros((1, self.chunk), np.int32)
-    tokens[0, :len(part)] = part
-    self.cache, running.logits = programs.prefill_chunk(
-        self.lm.params, self.cache, jnp.int32(slot), tokens, np.asarray([len(part)], np.int32),
-        np.asarray([start], np.int32), running.logits, **statics)
-    running.prefilled += len(part)
-    return len(part)
+      self.cache, running.logits = self._run(
+          programs.prefill, self.lm.params, self.cache, np.int32(slot), tokens,
+          np.asarray([len(ids)], np.int32), running.logits, block=512, **statics)
+    else:
+      part = ids[start:start + self.chunk]
+      tokens = np.zeros((1, self.chunk), np.int32)
+      tokens[0, :len(part)] = part
+      self.cache, running.logits = self._run(
+          programs.prefill_chunk, self.lm.params, self.cache, np.int32(slot), tokens,
+          np.asarray([len(part)], np.int32), np.asarray([start], np.int32), running.logits,
+          **statics)
+    running.prefilled = min(len(ids), start + (self.chunk or len(ids)))
+    return running.prefilled - start
 
   def _start(self, slot: int) -> list[Completion]:
     """Draws a prefilled request's first token and sets its slot decoding."""
@@ -375,11 +406,12 @@ class Engine:
     return self._emit({slot: [first]}, ended={slot} if ended else set())
 
   def _decode(self) -> list[Completion]:
-    self.cache, arrays, tokens, free = programs.decode(
-        self.lm.params, self.cache, self._slots.arrays, graphdef=self.lm.graphdef,
-        policy=self.policy, steps=self.steps, ex=self.ex)
+    self.cache, arrays, tokens = self._run(
+        programs.decode, self.lm.params, self.cache, self._slots.arrays, self._limit,
+        graphdef=self.lm.graphdef, policy=self.policy, steps=self.steps)
     self._slots.arrays = arrays
-    tokens, self._free = np.asarray(tokens), int(free)  # the one host sync of a dispatch
+    tokens = np.asarray(tokens)  # the one host sync of a dispatch
+    self.pages.read(self.cache.num_free)
     active = self._slots.active()
     self.stats["dispatches"] += 1
     decoding = self._decoding()
@@ -412,11 +444,11 @@ class Engine:
       return
     mask = np.zeros(self._slots.size, bool)
     mask[slots] = True
-    self.cache = programs.reset(self.cache, jnp.asarray(mask))
+    self.cache = self._run(programs.reset, mask, self.cache)
     for slot in slots:
       del self._running[slot]
       self._slots.stop(slot)
-    self._free = int(self.cache.num_free)
+    self.pages.read(self.cache.num_free)
 
 
 def _options(max_tokens: int, page_size: int, prefill_chunk: int) -> inputs.Options:

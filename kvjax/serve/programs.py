@@ -6,26 +6,48 @@ A prompt is prefilled into one slot through a one-row view of the cache
 stack), so the policy sees the request alone, exactly as ``generate`` would
 on a batch of one; the view's pages and lengths are then written back. The
 decode program runs a fixed number of steps over all S slots at once, empty
-or finished slots masked (they take no page and no token).
+or idle slots masked (they take no page and no token).
 
-Every program takes the model's parameters, then the cache (argument 1,
-donated); its keyword arguments are static, so the engine compiles each once
-per shape: one decode program, a prefill per padded chunk size.
+The programs are plain functions that ``kvjax.generation.compile.compiled``
+compiles once per shape, with the cache (argument 1) donated; on a mesh they
+run per device (``MESH_KINDS``): slots split over the data axis, each data
+shard's slots in its own block of the pool, KV heads over the model axis. A
+prefill then runs on the data shard that holds its slot; the others pass.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
 
 from kvjax.generation import programs as gen_programs
+from kvjax.sharding.programs import TO_HOST
+
+# Argument and result kinds on a mesh (``kvjax.sharding.programs.compile``).
+MESH_KINDS = {
+    "prefill_chunk": (("params", "cache") + ("replicated",) * 5, ("cache", "replicated")),
+    "prefill": (("params", "cache") + ("replicated",) * 4, ("cache", "replicated")),
+    "decode": (("params", "cache", "batch", "heads"), ("cache", "batch", TO_HOST)),
+    "reset": (("batch", "cache"), "cache"),
+}
 
 
-def _jit(*statics):
-  """jit with the cache (argument 1) donated and ``statics`` static."""
-  return functools.partial(jax.jit, static_argnames=statics, donate_argnums=(1,))
+def _owned(cache, slot, ex):
+  """(whether this device's block holds ``slot``, its row there): on a mesh each data
+  shard holds S / D consecutive slots; off a mesh every slot is here."""
+  if ex.axes.data is None:
+    return None, slot
+  rows = cache.page_table.shape[0]
+  return slot // rows == jax.lax.axis_index(ex.axes.data), slot % rows
+
+
+def _on_owner(mine, fn, cache, logits, ex):
+  """``fn(cache) -> (cache, logits)`` on the device block that holds the slot; the
+  others keep their cache, and every device gets the owner's logits [1, V]."""
+  if mine is None:
+    return fn(cache)
+  cache, logits = jax.lax.cond(mine, fn, lambda c: (c, jnp.zeros_like(logits)), cache)
+  return cache, jax.lax.psum(logits, ex.axes.data)
 
 
 def _slot_view(cache, slot):
@@ -41,30 +63,40 @@ def _merge(cache, view, slot):
                       lengths=put(cache.lengths, view.lengths))
 
 
-@_jit("graphdef", "policy", "layout", "ex")
 def prefill_chunk(params, cache, slot, tokens, length, offset, logits, *, graphdef, policy,
                   layout, ex):
-  """One prompt chunk of one slot: tokens [1, C], length [1] valid tokens, offset [1]
-  its first position, logits [1, V] so far. Returns (cache, logits [1, V])."""
-  view, logits = gen_programs.prefill_chunk(params, _slot_view(cache, slot), tokens, length,
-                                            offset, logits, graphdef=graphdef, policy=policy,
-                                            layout=layout, ex=ex)
-  return _merge(cache, view, slot), logits
+  """One prompt chunk of one slot: slot [] int32, tokens [1, C], length [1] valid tokens,
+  offset [1] its first position, logits [1, V] so far. Returns (cache, logits [1, V])."""
+  mine, row = _owned(cache, slot, ex)
+
+  def run(cache):
+    view, out = gen_programs.prefill_chunk(params, _slot_view(cache, row), tokens, length,
+                                           offset, logits, graphdef=graphdef, policy=policy,
+                                           layout=layout, ex=ex)
+    return _merge(cache, view, row), out
+
+  return _on_owner(mine, run, cache, logits, ex)
 
 
-@_jit("graphdef", "policy", "layout", "block", "ex")
-def prefill(params, cache, slot, tokens, length, *, graphdef, policy, layout, block, ex):
-  """A whole prompt into one slot at once: tokens [1, T] (right-padded), length [1].
-  For policies that cannot compress in chunks. Returns (cache, logits [1, V])."""
-  view, logits = gen_programs.prefill(params, _slot_view(cache, slot), tokens, length,
-                                      graphdef=graphdef, policy=policy, layout=layout,
-                                      block=block, ex=ex)
-  return _merge(cache, view, slot), logits
+def prefill(params, cache, slot, tokens, length, zeros, *, graphdef, policy, layout, block,
+            ex):
+  """A whole prompt into one slot at once: tokens [1, T] (right-padded), length [1],
+  zeros [1, V] (the logits' shape). For policies that cannot compress in chunks.
+  Returns (cache, logits [1, V])."""
+  mine, row = _owned(cache, slot, ex)
+
+  def run(cache):
+    view, out = gen_programs.prefill(params, _slot_view(cache, row), tokens, length,
+                                     graphdef=graphdef, policy=policy, layout=layout,
+                                     block=block, ex=ex)
+    return _merge(cache, view, row), out
+
+  return _on_owner(mine, run, cache, zeros, ex)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def reset(cache, slots):
+def reset(slots, cache, *, ex):
   """Empties the slots (bool [S]): their pages go back on the free stack."""
+  del ex  # every program takes the execution; emptying slots needs none of it
   return cache.reset(slots)
 
 
@@ -103,14 +135,12 @@ def _top_k_only(scaled, top_k):
 first_token = jax.jit(sample)
 
 
-@_jit("graphdef", "policy", "steps", "ex")
-def decode(params, cache, slots, *, graphdef, policy, steps, ex):
-  """``steps`` decode steps over every slot; returns (cache, slots, tokens [S, steps],
-  free pages).
+def decode(params, cache, slots, limit, *, graphdef, policy, steps, ex):
+  """``steps`` decode steps over every slot; returns (cache, slots, tokens [S, steps]).
 
-  ``slots``: ``SlotArrays.arrays`` (serve/slots.py). A slot ends on a stop id or
-  when nothing remains; tokens are -1 where a slot was not active. Also returns
-  the pool's free pages, read with the tokens in the dispatch's one host sync.
+  ``slots``: ``SlotArrays.arrays`` (serve/slots.py); limit [S, L, K] entries a head
+  may hold. A slot ends on a stop id or when nothing remains; tokens are -1 where a
+  slot was not active.
   """
   question = jnp.zeros(slots["positions"].shape + (2,), jnp.int32)
   no_limit = jnp.iinfo(jnp.int32).max
@@ -118,8 +148,8 @@ def decode(params, cache, slots, *, graphdef, policy, steps, ex):
   def step(i, carry):
     cache, s, tokens = carry
     active, positions = s["active"], s["positions"]
-    limit = jnp.where(active[:, None, None], s["limit"], no_limit)
-    cache, logits = gen_programs.decode_step(params, cache, s["last"], positions, limit,
+    head_limit = jnp.where(active[:, None, None], limit, no_limit)
+    cache, logits = gen_programs.decode_step(params, cache, s["last"], positions, head_limit,
                                              question, graphdef=graphdef, policy=policy,
                                              ex=ex, active=active)
     token = sample(logits, s["temperature"], s["top_k"], s["seeds"], positions + 1)
@@ -130,5 +160,4 @@ def decode(params, cache, slots, *, graphdef, policy, steps, ex):
     return cache, s, tokens.at[:, i].set(jnp.where(active, token, -1))
 
   tokens = jnp.full((slots["last"].shape[0], steps), -1, jnp.int32)
-  cache, slots, tokens = jax.lax.fori_loop(0, steps, step, (cache, slots, tokens))
-  return cache, slots, tokens, cache.num_free
+  return jax.lax.fori_loop(0, steps, step, (cache, slots, tokens))

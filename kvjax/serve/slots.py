@@ -11,18 +11,15 @@ class SlotArrays:
   """What ``programs.decode`` reads and writes of each of S slots.
 
   last [S] the token to feed next, positions [S] its position, active [S] bool,
-  remaining [S] tokens still to generate, limit [S, L, K] entries a head may hold,
-  temperature [S], top_k [S] (0: every token), seeds [S], stops [S, M] stop ids
+  remaining [S] tokens still to generate, temperature [S], top_k [S] (0: every token), seeds [S], stops [S, M] stop ids
   (-1 pads). An idle slot (empty, or a prompt still being prefilled) is inactive.
   """
 
-  def __init__(self, size: int, limit: np.ndarray, num_stops: int):
-    """``limit`` [L, K]: the engine's decode limits, the same for every slot."""
+  def __init__(self, size: int, num_stops: int):
     self.size, self.num_stops = size, num_stops
     self.arrays = {
         "last": np.zeros(size, np.int32), "positions": np.zeros(size, np.int32),
         "active": np.zeros(size, bool), "remaining": np.zeros(size, np.int32),
-        "limit": np.broadcast_to(limit.astype(np.int32), (size,) + limit.shape).copy(),
         "temperature": np.zeros(size, np.float32), "top_k": np.zeros(size, np.int32),
         "seeds": np.zeros(size, np.uint32), "stops": np.full((size, num_stops), -1, np.int32)}
 

@@ -158,22 +158,26 @@ def local_capacity(capacity, model_shards: int) -> tuple[tuple[int, ...], ...]:
 
 def empty_cache(mesh: Mesh, *, batch_size: int, capacity, num_layers: int, num_kv_heads: int,
                 head_dim: int, page_size: int = 16, dtype=jnp.float32,
-                windows=None) -> PagedKVCache:
+                windows=None, num_pages: int | None = None) -> PagedKVCache:
   """An empty PagedKVCache laid over ``mesh`` (arguments as ``PagedKVCache.create``).
 
   Each device's block of the pool holds exactly the pages of its B / D
   sequences and K / M KV heads, so the KV bytes per device are the total
-  over D * M.
+  over D * M. ``num_pages`` (a serving pool's, shared by the sequences) is
+  the pages in all, cut into D * M equal blocks.
   """
   d, m = mesh_sizes(mesh)
   for what, size, shards in (("batch", batch_size, d), ("KV heads", num_kv_heads, m)):
     if size % shards:
       raise ValueError(f"{shards} shards must divide the {what}, {size}")
+  if num_pages is not None and num_pages % (d * m):
+    raise ValueError(f"the {d * m} devices must divide the pool's {num_pages} pages")
   cap = _capacity_table(capacity, num_layers, num_kv_heads)
   create_local = functools.partial(
       PagedKVCache.create, batch_size=batch_size // d, capacity=local_capacity(cap, m),
       num_layers=num_layers, num_kv_heads=num_kv_heads // m, head_dim=head_dim,
-      page_size=page_size, dtype=dtype, windows=windows)
+      page_size=page_size, dtype=dtype, windows=windows,
+      num_pages=None if num_pages is None else num_pages // (d * m))
   windows = jax.eval_shape(create_local).windows  # checks the arguments, allocates nothing
 
   def arrays():
