@@ -146,6 +146,7 @@ class Engine:
     self._running: dict[int, _Running] = {}  # slot -> request
     self._queue: collections.deque[Request] = collections.deque()
     self._ids, self._order = itertools.count(), itertools.count()
+    self._held_of, self._held_pages = None, None  # ``_held``'s last reading, and of what
     self.stats = collections.Counter()
 
   # ---------------------------------------------------------------- sizes
@@ -316,8 +317,10 @@ class Engine:
     return self.pages.growth([(most(s), int(held[s])) for s in slots])
 
   def _held(self) -> np.ndarray:
-    """[S] the pages each slot holds (a host sync)."""
-    return np.asarray(programs.held_pages(self.cache))
+    """[S] the pages each slot holds: a host sync, once per state of the cache."""
+    if self._held_of is not self.cache:
+      self._held_of, self._held_pages = self.cache, np.asarray(programs.held_pages(self.cache))
+    return self._held_pages
 
   def _admit(self) -> int | None:
     """Gives the first waiting request a free slot in the block with the most room, if
