@@ -30,7 +30,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # The command-line tools and the process set-up they run: outside the library.
 TOOLS = ("kvjax.eval", "kvjax.bench", "kvjax.cli", "kvjax.main", "kvjax.runtime",
-         "kvjax.retrieval_heads.main", "kvjax.retrieval_heads.__main__")
+         "kvjax.retrieval_heads.main", "kvjax.retrieval_heads.__main__", "kvjax.serve.__main__")
 
 
 def _module_name(path: pathlib.Path) -> str:
