@@ -130,6 +130,26 @@ def test_out_that_is_a_file_or_unwritable(tool, tmp_path, capsys):
      ["--policies repeats sablock (window=16)", "with --window=16"]),
     (BENCH, ["--policies=full,paged_eviction:per_head=yes"], ["per_head takes true or false"]),
     (BENCH, ["--policies=full,full"], ["--policies repeats full"]),
+    # --preset=serving: every flag is checked before the model loads
+    (BENCH, ["--preset=serving", "--serving_requests=0"], ["--serving_requests must be >= 1"]),
+    (BENCH, ["--preset=serving", "--serving_max_slots=0"], ["--serving_max_slots must be >= 1"]),
+    (BENCH, ["--preset=serving", "--serving_max_tokens=-1"],
+     ["--serving_max_tokens must be >= 0"]),
+    (BENCH, ["--preset=serving", "--serving_rate=0"], ["--serving_rate must be > 0"]),
+    (BENCH, ["--preset=serving", "--serving_rate=nan"], ["--serving_rate must be > 0"]),
+    (BENCH, ["--preset=serving", "--serving_pool=0.5"], ["--serving_pool must be >= 1"]),
+    (BENCH, ["--preset=serving", "--serving_pool=2", "--kv_memory=1GiB"],
+     ["one of --serving_pool and --kv_memory"]),
+    (BENCH, ["--preset=serving", "--kv_memory=lots"], ["--kv_memory", "'lots'"]),
+    (BENCH, ["--preset=serving", "--serving_task=qa"], ["serving_task", "passkey"]),
+    (BENCH, ["--preset=serving", "--serving_policies=full,snapkv"],
+     ["--serving_policies entry 'snapkv'", "needs a budget"]),
+    (BENCH, ["--preset=serving", "--serving_policies=full:512"], ["budget must be None"]),
+    (BENCH, ["--preset=serving", "--serving_policies=snapkv:x"], ["expected a budget"]),
+    (BENCH, ["--preset=serving", "--serving_policies=snapkv:512,snapkv:512"],
+     ["--serving_policies repeats snapkv @ 512"]),
+    (BENCH, ["--preset=serving", "--serving_policies=snapkv:5000"],
+     ["budget 5000", "--serving_prompt_tokens 4096"]),
 ])
 def test_bad_flag_values(tool, args, words, tmp_path, capsys):
   _one_error(*_call(tool, f"--out={tmp_path}", *args, capsys=capsys), *words)
@@ -146,6 +166,12 @@ def test_a_budget_an_entry_cannot_honour_names_the_entry(tool, args, words, mode
                                                          capsys):
   _one_error(*_call(tool, f"--out={tmp_path}", *args, capsys=capsys), *words)
   assert not (tmp_path / "results.jsonl").exists()
+
+
+def test_serving_prompts_too_short_for_the_task(model, tmp_path, capsys):
+  _one_error(*_call(BENCH, f"--out={tmp_path}", "--preset=serving",
+                    "--serving_policies=full", "--serving_prompt_tokens=20", capsys=capsys),
+             "20 tokens is below")
 
 
 @pytest.mark.parametrize("tool", [EVAL, BENCH])

@@ -8,6 +8,9 @@ r"""Decode speed, prefill time and memory of KV-cache policies against context l
                                                  # run loads its programs, compiles none
   python -m kvjax.bench --preset=accelerator   # a GPU/TPU against its physical floor
                                                  # (kvjax/bench/accelerator/)
+  python -m kvjax.bench --preset=serving --serving_policies=full,snapkv:512,sablock:512 \
+      --serving_prompt_tokens=4096 --serving_pool=4   # requests arriving at an engine
+                                                 # (kvjax/bench/serving.py)
   python -m kvjax.bench --policies=full,paged_eviction,paged_eviction:candidates=3
 
 Every policy runs at its own defaults. An entry of --policies may set fields
@@ -50,6 +53,7 @@ from kvjax.bench import accelerator
 from kvjax.bench import memory
 from kvjax.bench import report
 from kvjax.bench import runner
+from kvjax.bench import serving
 from kvjax.eval import policy_entries
 
 _D = runner.BenchConfig()
@@ -88,12 +92,16 @@ flags.DEFINE_string("compilation_cache", None,
                     "row counts its programs_compiled and programs_from_cache).")
 flags.DEFINE_bool("isolate", True, "Run each configuration in its own process (own peak memory).")
 flags.DEFINE_string("out", "results/bench", "Output folder (results/accelerator with --preset).")
-flags.DEFINE_enum("preset", None, ["accelerator"],
+flags.DEFINE_enum("preset", None, ["accelerator", "serving"],
                   "accelerator: kernel bytes/s, decode ms/step, throughput, prefill and "
                   "pallas-vs-xla tokens on the random Llama-3.2-1B shape against the chip's "
                   "floor (kvjax/bench/accelerator/); of the other flags it reads only "
                   "--out, --scale, --sections, --config and --[no]scan_layers (when given; "
-                  "else the device's default layout).")
+                  "else the device's default layout). serving: task prompts arriving at "
+                  "the serving engine, one pool for every --serving_policies entry "
+                  "(kvjax/bench/serving.py); it reads the --serving_* flags, --kv_memory, "
+                  "--model, --packed, --scan_layers, --backend, --mesh, --window, "
+                  "--prefill_chunk (when given; else 512) and --out (else results/serving).")
 flags.DEFINE_enum("scale", "auto", ["auto", "full", "small"],
                   "With --preset: full sizes, or toy ones (a plumbing check); auto: small "
                   "on CPU, full on a GPU/TPU.")
@@ -101,6 +109,32 @@ flags.DEFINE_list("sections", list(accelerator.SECTIONS), "With --preset: the se
 flags.DEFINE_string("config", None, "With --preset: a config file (get_config(), as in configs/) "
                     "whose model shape the decode, throughput and prefill sections use "
                     "instead of the shipped Llama-3.2-1B one.")
+flags.DEFINE_list("serving_policies", ["full", "snapkv:512", "sablock:512"],
+                  "With --preset=serving: the configurations, name[:budget][:field=value...] "
+                  "('full' takes no budget), e.g. full,snapkv:512,sablock:512:window=8.")
+flags.DEFINE_integer("serving_requests", 16, "With --preset=serving: requests in the workload.")
+flags.DEFINE_float("serving_rate", float("inf"),
+                   "With --preset=serving: Poisson arrivals, requests per second; inf: all "
+                   "at once.")
+flags.DEFINE_enum("serving_task", "passkey", list(serving.TASKS),
+                  "With --preset=serving: the prompts' task (passkey: a pass key in "
+                  "repeated filler; niah: a magic number in natural text), scored with its "
+                  "metric.")
+flags.DEFINE_integer("serving_prompt_tokens", 4096,
+                     "With --preset=serving: each task prompt's length in tokens.")
+flags.DEFINE_integer("serving_max_tokens", 0, "With --preset=serving: new tokens per request "
+                     "at most; 0: the task's own.")
+flags.DEFINE_float("serving_pool", 4.0,
+                   "With --preset=serving: the page pool, as this many full-cache requests "
+                   "of the longest kind (the same pool for every configuration).")
+flags.DEFINE_string("kv_memory", None, "With --preset=serving: the page pool in bytes "
+                    "(e.g. 2GiB) instead of --serving_pool.")
+flags.DEFINE_integer("serving_max_slots", 8,
+                     "With --preset=serving: requests running at once at most.")
+flags.DEFINE_integer("serving_steps_per_dispatch", 8,
+                     "With --preset=serving: decode steps per dispatch.")
+flags.DEFINE_integer("serving_seed", 0,
+                     "With --preset=serving: the prompts' and the arrivals' seed.")
 flags.DEFINE_string("child", None, "Internal: run one configuration (JSON) and print its row.")
 
 # What --help lists, by group.
@@ -110,7 +144,12 @@ HELP_GROUPS = (
                             "prefill_chunk", "window")),
     ("measuring", ("repeats", "isolate", "compilation_cache")),
     ("output", ("out",)),
-    ("accelerator preset", ("preset", "scale", "sections", "config")),
+    ("presets", ("preset",)),
+    ("accelerator preset", ("scale", "sections", "config")),
+    ("serving preset", ("serving_policies", "serving_requests", "serving_rate",
+                        "serving_task", "serving_prompt_tokens", "serving_max_tokens",
+                        "serving_pool", "kv_memory", "serving_max_slots",
+                        "serving_steps_per_dispatch", "serving_seed")),
 )
 _ROW = "KVJAX_BENCH_ROW "
 # Rows of a run in progress; replaces results.jsonl when the run completes.
@@ -260,6 +299,70 @@ def _preset() -> None:
   print(f"rows and summary.md in {out}")
 
 
+def _serving_configs() -> list[serving.ServingPolicy]:
+  """The serving preset's configurations, its flags checked (UsageError for a bad one)."""
+  for name in ("serving_requests", "serving_max_slots", "serving_steps_per_dispatch",
+               "serving_prompt_tokens"):
+    if getattr(FLAGS, name) < 1:
+      raise cli.UsageError(f"--{name} must be >= 1, got {getattr(FLAGS, name)}")
+  for name in ("serving_max_tokens", "serving_seed", "prefill_chunk", "window"):
+    if getattr(FLAGS, name) < 0:
+      raise cli.UsageError(f"--{name} must be >= 0, got {getattr(FLAGS, name)}")
+  if not FLAGS.serving_rate > 0:  # nan too
+    raise cli.UsageError(f"--serving_rate must be > 0 (inf: all at once), got "
+                         f"{FLAGS.serving_rate}")
+  if not 1 <= FLAGS.serving_pool < float("inf"):
+    raise cli.UsageError(f"--serving_pool must be >= 1 (full-cache requests the pool "
+                         f"holds), got {FLAGS.serving_pool}")
+  if FLAGS.kv_memory is not None:
+    from kvjax.serve.requests import parse_bytes
+    if FLAGS["serving_pool"].present:
+      raise cli.UsageError("give the pool as one of --serving_pool and --kv_memory")
+    try:
+      parse_bytes(FLAGS.kv_memory)
+    except ValueError as e:
+      raise cli.UsageError(f"--kv_memory: {e}") from None
+  try:
+    configs = serving.parse_policies(FLAGS.serving_policies, FLAGS.window)
+  except ValueError as e:
+    raise cli.UsageError(str(e)) from None
+  for config in configs:
+    if config.budget is not None and config.budget >= FLAGS.serving_prompt_tokens:
+      raise cli.UsageError(f"--serving_policies {config.label}: budget {config.budget} is "
+                           f"not below --serving_prompt_tokens {FLAGS.serving_prompt_tokens} "
+                           "(it would keep the whole prompt); lower the budget or raise "
+                           "the prompt length")
+  return configs
+
+
+def _serving() -> None:
+  """--preset=serving: task prompts replayed against the engine under each configuration."""
+  configs = _serving_configs()
+  out = cli.check_out_folder(FLAGS.out if FLAGS["out"].present else "results/serving")
+  cli.check_backend(FLAGS.backend)
+  import kvjax
+  from kvjax import sharding
+  lm = kvjax.load(FLAGS.model, scan_layers=FLAGS.scan_layers, packed=FLAGS.packed)
+  workload = serving.make_workload(
+      lm.require_tokenizer("the serving benchmark's task prompts"), task=FLAGS.serving_task,
+      count=FLAGS.serving_requests, prompt_tokens=FLAGS.serving_prompt_tokens,
+      rate=FLAGS.serving_rate, seed=FLAGS.serving_seed, max_tokens=FLAGS.serving_max_tokens)
+  settings = serving.EngineSettings(
+      max_slots=FLAGS.serving_max_slots,
+      prefill_chunk=FLAGS.prefill_chunk if FLAGS["prefill_chunk"].present else 512,
+      steps_per_dispatch=FLAGS.serving_steps_per_dispatch, backend=FLAGS.backend,
+      mesh=sharding.make_mesh(FLAGS.mesh) if FLAGS.mesh else None)
+  pool = (serving.Pool(kv_memory=FLAGS.kv_memory) if FLAGS.kv_memory is not None else
+          serving.full_cache_pool(lm, workload, FLAGS.serving_pool, settings))
+  try:
+    serving.run(lm, configs, workload, pool, settings, out, model=FLAGS.model)
+  except KeyboardInterrupt:
+    cli.interrupted(f"interrupted; results.jsonl in {out} is untouched (this run's rows so "
+                    f"far are in {serving.PARTIAL})")
+  print((out / "summary.md").read_text())
+  print(f"results.jsonl, summary.md and pages.png in {out}")
+
+
 def main(argv) -> None:
   """Checks every flag, the output folder and each configuration's memory, then runs them.
 
@@ -276,6 +379,9 @@ def main(argv) -> None:
     return
   if FLAGS.preset == "accelerator":
     _preset()
+    return
+  if FLAGS.preset == "serving":
+    _serving()
     return
   todo = configs()
   out = cli.check_out_folder(FLAGS.out)
