@@ -51,8 +51,9 @@ def _engine(lm, name, budget, **kw):
   return Engine(lm, policy=policy, budget=budget, **{**defaults, **kw}), policy
 
 
-def _staggered(engine, prompts, max_tokens):
-  """Submits the prompts a few at a time between steps; returns {id: completion}."""
+def _staggered(engine, prompts, max_tokens, running=None):
+  """Submits the prompts a few at a time between steps; returns their completions.
+  ``running``: a list that gets the requests running after each step."""
   rng = np.random.default_rng(1)
   pending, ids, done = list(prompts), [], {}
   while pending or engine.running or engine.waiting:
@@ -60,6 +61,8 @@ def _staggered(engine, prompts, max_tokens):
       if pending:
         ids.append(engine.submit(pending.pop(0), max_tokens=int(max_tokens[len(ids)])))
     done.update({c.id: c for c in engine.step()})
+    if running is not None:
+      running.append(engine.running)
   return [done[i] for i in ids]
 
 
@@ -92,6 +95,25 @@ def test_each_request_gets_generates_tokens_among_others(tiny, name, budget):
     assert completion.token_ids == want.token_ids[0][:n], (name, len(prompt))
   assert engine.pages_in_use == 0
   assert int(engine.cache.num_free) == engine.num_pages  # every page back on the free stack
+
+
+@pytest.mark.parametrize("name,budget", [
+    ("snapkv", 48), ("h2o", 48), pytest.param("full", None, marks=_SLOW),
+    pytest.param("paged_eviction", 48, marks=_SLOW), pytest.param("sablock", 48, marks=_SLOW),
+    pytest.param("streaming_llm", 40, marks=_SLOW)])
+def test_a_request_among_31_others_gets_its_tokens_alone(tiny, name, budget):
+  """32 requests arriving at random times over 8 slots: each one's tokens are those it
+  gets alone in the engine (which are ``generate``'s, the test above)."""
+  engine, _ = _engine(tiny, name, budget, max_slots=8)
+  prompts = _prompts(32, 20, 500, seed=11)
+  max_tokens = np.random.default_rng(12).integers(1, 13, len(prompts))
+  running = []
+  together = _staggered(engine, prompts, max_tokens, running)
+  assert engine.stats["admitted"] == 32 and max(running) >= 4  # many ran at once
+  for prompt, n, got in zip(prompts, max_tokens, together):
+    engine.submit(prompt, max_tokens=int(n))
+    alone, = engine.run()
+    assert got.token_ids == alone.token_ids, (name, len(prompt))
 
 
 def test_per_head_layouts_are_refused(tiny):
@@ -205,6 +227,18 @@ def test_sampled_requests_are_reproducible_by_seed(tiny):
   out = {x.id: x.token_ids for x in engine.run()}
   assert out[a] == out[b] and out[a] != out[c]
   assert out[top1] == out[greedy]  # the one most likely token, drawn
+
+
+@pytest.mark.parametrize("temperature", [[0.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.5, 2.0]])
+def test_sampling_without_branches_draws_the_same(temperature):
+  """A GPU's decode samples without lax.cond (its predicate is a host round trip)."""
+  from kvjax.serve import programs  # pylint: disable=import-outside-toplevel
+  logits = np.random.default_rng(0).normal(size=(4, 50)).astype(np.float32)
+  args = (logits, np.asarray(temperature, np.float32), np.asarray([0, 0, 5, 1], np.int32),
+          np.arange(4, dtype=np.uint32), np.full(4, 7, np.int32))
+  with_branches = np.asarray(programs.sample(*args))
+  np.testing.assert_array_equal(with_branches, programs.sample(*args, branches=False))
+  assert with_branches[0] == logits[0].argmax() and with_branches[3] == logits[3].argmax()
 
 
 def test_kv_memory_sizes_the_pool(tiny):

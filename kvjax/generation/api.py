@@ -100,7 +100,8 @@ def generate(
       window included; None for "full".
     **kwargs: the options of ``generate_each`` (questions, query_aware,
       max_new_tokens, temperature, top_k, seed, chat_template, stop_ids,
-      page_size, backend, pad_multiple, attention_block, prefill_chunk).
+      page_size, backend, pad_multiple, attention_block, prefill_chunk, mesh,
+      decode_block).
 
   Returns:
     GenerationResult with texts, token ids, stats and the final cache.
@@ -130,6 +131,7 @@ def generate_each(
     attention_block: int = attention_lib.PREFILL_BLOCK,
     prefill_chunk: int = 0,
     mesh: jax.sharding.Mesh | None = None,
+    decode_block: int | None = None,
 ) -> Iterator[GenerationResult]:
   """Generates for one batch of prompts under each (policy, budget) in turn.
 
@@ -168,6 +170,8 @@ def generate_each(
       over ``data``, KV heads (with their query heads and MLP columns) over
       ``model``, each device holding its part of the pool; the tokens of one
       device (docs/sharding.md). None: the default device.
+    decode_block: decode steps per iteration of the decode loop, whose predicate a
+      GPU reads on the host (None: 8 on a GPU, 1 elsewhere). The same tokens.
 
   Yields:
     A GenerationResult per run, in the order of ``runs``.
@@ -183,7 +187,7 @@ def generate_each(
       max_new_tokens=max_new_tokens, page_size=page_size,
       pad_multiple=pad_multiple, attention_block=attention_block, prefill_chunk=prefill_chunk,
       stop_ids=tuple(stop_ids), temperature=temperature, top_k=top_k, seed=seed, mesh=mesh,
-      ex=execution.create(backend))
+      decode_block=decode_block, ex=execution.create(backend))
   runs = inputs.check(lm, runs, options)
   batch = inputs.batch(lm, prompts, questions, query_aware=query_aware,
                        chat_template=chat_template, options=options)

@@ -138,13 +138,17 @@ def append_questions(lm: LanguageModel, batch: Batch, options: Options, clock: C
 
 def decode_call(lm: LanguageModel, cache, logits, next_positions, *,
                 policy: policies_lib.Policy, limit, question, max_new_tokens: int,
-                ex, stop_ids, sampler: sampling.Sampler, seed: int) -> tuple[tuple, dict]:
-  """(arguments, statics) of ``programs.decode``; cache and logits may be abstract."""
+                ex, stop_ids, sampler: sampling.Sampler, seed: int,
+                decode_block: int | None = None) -> tuple[tuple, dict]:
+  """(arguments, statics) of ``programs.decode``; cache and logits may be abstract.
+  ``decode_block``: steps per host round trip (None: the platform's)."""
   pad_id = lm.tokenizer.pad_id if lm.tokenizer is not None else 0
   args = (lm.params, cache, logits, to_device(next_positions, np.int32),
           to_device(limit, np.int32), to_device(question, np.int32), to_device(seed, np.uint32),
           to_device(list(stop_ids) or [-1], np.int32), sampler, to_device(pad_id, np.int32))
-  statics = dict(graphdef=lm.graphdef, policy=policy, max_new_tokens=max_new_tokens, ex=ex)
+  block = programs.decode_block(ex.platform, max_new_tokens, decode_block)
+  statics = dict(graphdef=lm.graphdef, policy=policy, max_new_tokens=max_new_tokens,
+                 block=block, ex=ex)
   return args, statics
 
 
@@ -158,7 +162,7 @@ def run_decode(lm: LanguageModel, batch: Batch, options: Options, plan: RunPlan,
       lm, cache, logits, batch.next_positions, policy=plan.policy, limit=plan.limit,
       question=batch.question_span, max_new_tokens=options.max_new_tokens, ex=options.ex,
       stop_ids=options.stop_ids, sampler=sampling.from_options(options.temperature, options.top_k),
-      seed=options.seed)
+      seed=options.seed, decode_block=options.decode_block)
   if compile_only:
     return clock.compile(programs.decode, args, statics, mesh=options.mesh)
   return clock.run("decode", programs.decode, args, statics, mesh=options.mesh)

@@ -34,6 +34,7 @@ class Options:
   top_k: int  # sample among the k most likely tokens (0 = all)
   seed: int
   mesh: Any = None  # a (data, model) jax.sharding.Mesh to run on, or None for one device
+  decode_block: int | None = None  # decode steps per host round trip (None: the platform's)
   # The programs' kernels and platform (``kvjax.execution.create``; XLA by default).
   ex: execution.Execution = execution.Execution()
 
@@ -89,6 +90,9 @@ def check(lm: LanguageModel, runs: Sequence[tuple[str | policies_lib.Policy, int
     value = getattr(options, name)
     if not _is_int(value) or value < 1:
       raise ValueError(f"{name} must be a positive int, got {value!r}")
+  block = options.decode_block
+  if block is not None and (not _is_int(block) or block < 1):
+    raise ValueError(f"decode_block must be a positive int (or None), got {block!r}")
   chunk = options.prefill_chunk
   if not _is_int(chunk) or chunk < 0:
     raise ValueError(f"prefill_chunk must be a positive int (or 0 for one shot), got {chunk!r}")

@@ -25,6 +25,7 @@ from flax import nnx
 
 from kvjax.cache import attention as attention_lib
 from kvjax.generation.state import DecodeState
+from kvjax.policies.layout import NO_LIMIT
 
 # What each program's arguments and results are, for running it per device on
 # a mesh (``kvjax.sharding.programs``): "params", "cache", or a kind of
@@ -205,8 +206,8 @@ def decode_step(params, cache, tokens, positions, limit, question, *, graphdef, 
 
 
 def decode(params, cache, first_logits, next_positions, limit, question, seed, stops, sampler,
-           pad_id, *, graphdef, policy, max_new_tokens, ex):
-  """Greedy or sampled decoding in one while_loop.
+           pad_id, *, graphdef, policy, max_new_tokens, block, ex):
+  """Greedy or sampled decoding in one while_loop, ``block`` steps per iteration.
 
   Args:
     first_logits: [B, V] the next-token logits after the prompt.
@@ -216,6 +217,11 @@ def decode(params, cache, first_logits, next_positions, limit, question, seed, s
       eviction never takes ([0, 0) for none).
     seed: [] uint32; stops: [S] int32 stop ids; pad_id: [] int32.
     sampler: a ``kvjax.generation.sampling`` sampler.
+    block: decode steps per iteration of the while_loop (``decode_block``). On a GPU
+      XLA reads a while_loop's predicate on the host every iteration, and cannot
+      queue the next one meanwhile; the steps of a block run in a loop of fixed
+      trip count, which it does not. Steps past the end are masked (they write
+      no token, take no page and change no score): the same tokens and cache.
 
   Returns:
     (tokens [B, max_new_tokens] int32, steps run (1 + forward passes), cache).
@@ -226,12 +232,37 @@ def decode(params, cache, first_logits, next_positions, limit, question, seed, s
                             max_new_tokens=max_new_tokens, pad_id=pad_id, stops=stops)
   running = functools.partial(DecodeState.running, axes=ex.axes)
 
-  def step(state: DecodeState) -> DecodeState:
+  def step(state: DecodeState, run=None) -> DecodeState:
+    active = None if run is None else jnp.broadcast_to(run, next_positions.shape)
     cache, logits = decode_step(params, state.cache, state.last(),
-                                next_positions + state.step - 1, limit, question,
-                                graphdef=graphdef, policy=policy, ex=ex)
+                                next_positions + state.step - 1,
+                                limit if run is None else jnp.where(run, limit, NO_LIMIT),
+                                question, graphdef=graphdef, policy=policy, ex=ex, active=active)
     rng, key = jax.random.split(state.rng)
     return state.advance(sampler(logits, key), cache, rng, pad_id=pad_id, stops=stops)
 
-  state = jax.lax.while_loop(running, step, state)
+  def masked_step(_, state: DecodeState) -> DecodeState:
+    run = running(state)
+    new = step(state, run)
+    keep = lambda a, b: jnp.where(run, a, b)
+    return new.replace(step=keep(new.step, state.step), tokens=keep(new.tokens, state.tokens),
+                       done=keep(new.done, state.done))
+
+  if block == 1:
+    state = jax.lax.while_loop(running, step, state)
+  else:
+    state = jax.lax.while_loop(
+        running, lambda s: jax.lax.fori_loop(0, block, masked_step, s), state)
   return state.tokens, state.step, state.cache
+
+
+def decode_block(platform: str, max_new_tokens: int, most: int | None = None) -> int:
+  """Decode steps per host round trip: ``most`` (None: 8 on a GPU, 1 elsewhere: a
+  TPU runs its loops on the device, a CPU has no host to go back to), evened out so
+  that the last block wastes as few steps as can be."""
+  most = (8 if platform == "gpu" else 1) if most is None else most
+  steps = max_new_tokens - 1  # forward passes: the first token comes from the prompt
+  if steps <= 1 or most == 1:
+    return 1
+  blocks = -(-steps // most)
+  return -(-steps // blocks)

@@ -106,23 +106,28 @@ def held_pages(cache):
   return (cache.page_table >= 0).sum((1, 2, 3), dtype=jnp.int32)
 
 
-def sample(logits, temperature, top_k, seeds, positions):
+def sample(logits, temperature, top_k, seeds, positions, *, branches: bool = True):
   """Each row's next token [S] int32: the most likely at temperature 0, else drawn from
   softmax(logits / temperature) over the row's ``top_k`` most likely tokens (0: all),
   with a key of the row's seed and position, so a request's draws do not depend on
-  the other slots or on when it was scheduled."""
+  the other slots or on when it was scheduled.
+
+  ``branches``: skip the draw (and top-k's sort) when no row needs them. A GPU reads
+  a ``lax.cond``'s predicate on the host, a round trip per step: there both run.
+  """
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  cond = jax.lax.cond if branches else lambda p, yes, no, *args: yes(*args)
 
   def draw():
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-    scaled = jax.lax.cond(jnp.any(top_k > 0), _top_k_only, lambda s, _: s, scaled, top_k)
+    scaled = cond(jnp.any(top_k > 0), _top_k_only, lambda s, _: s, scaled, top_k)
     keys = jax.vmap(lambda seed, pos: jax.random.fold_in(jax.random.key(seed), pos))(
         seeds, positions)
     drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
     return jnp.where(temperature > 0, drawn, greedy)
 
   # A greedy batch draws nothing: the branch not taken costs nothing.
-  return jax.lax.cond(jnp.any(temperature > 0), draw, lambda: greedy)
+  return cond(jnp.any(temperature > 0), draw, lambda: greedy)
 
 
 def _top_k_only(scaled, top_k):
@@ -152,7 +157,8 @@ def decode(params, cache, slots, limit, *, graphdef, policy, steps, ex):
     cache, logits = gen_programs.decode_step(params, cache, s["last"], positions, head_limit,
                                              question, graphdef=graphdef, policy=policy,
                                              ex=ex, active=active)
-    token = sample(logits, s["temperature"], s["top_k"], s["seeds"], positions + 1)
+    token = sample(logits, s["temperature"], s["top_k"], s["seeds"], positions + 1,
+                   branches=ex.platform != "gpu")
     remaining = s["remaining"] - active
     done = jnp.any(token[:, None] == s["stops"], axis=1) | (remaining <= 0)
     s = dict(s, last=jnp.where(active, token, s["last"]), positions=positions + active,
