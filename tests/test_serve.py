@@ -218,6 +218,19 @@ def test_bad_requests_and_sizes_are_refused(tiny):
     parse_bytes("lots")
 
 
+def test_ignore_eos_runs_past_the_tokenizers_stop_ids(tiny):
+  engine, _ = _engine(tiny, "snapkv", 48)
+  prompt = _prompts(1, 100, 101)[0]
+  engine.submit(prompt, max_tokens=12)
+  probe, = engine.run()
+  engine.stop_ids = (probe.token_ids[2],)  # as if the tokenizer's EOS came third
+  stopped = engine.submit(prompt, max_tokens=12)
+  ran_on = engine.submit(prompt, max_tokens=12, ignore_eos=True)
+  out = {c.id: c for c in engine.run()}
+  assert out[stopped].token_ids == probe.token_ids[:3] and out[stopped].finish_reason == "stop"
+  assert out[ran_on].token_ids == probe.token_ids and out[ran_on].finish_reason == "length"
+
+
 def test_sampled_requests_are_reproducible_by_seed(tiny):
   engine, _ = _engine(tiny, "snapkv", 48)
   prompt = _prompts(1, 100, 101)[0]

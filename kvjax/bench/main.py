@@ -124,6 +124,9 @@ flags.DEFINE_integer("serving_prompt_tokens", 4096,
                      "With --preset=serving: each task prompt's length in tokens.")
 flags.DEFINE_integer("serving_max_tokens", 0, "With --preset=serving: new tokens per request "
                      "at most; 0: the task's own.")
+flags.DEFINE_bool("serving_ignore_eos", False, "With --preset=serving: every request "
+                  "generates --serving_max_tokens, past the tokenizer's stop ids (as vLLM's "
+                  "benchmark's --ignore-eos): output lengths the same for every policy.")
 flags.DEFINE_float("serving_pool", 4.0,
                    "With --preset=serving: the page pool, as this many full-cache requests "
                    "of the longest kind (the same pool for every configuration).")
@@ -148,6 +151,7 @@ HELP_GROUPS = (
     ("accelerator preset", ("scale", "sections", "config")),
     ("serving preset", ("serving_policies", "serving_requests", "serving_rate",
                         "serving_task", "serving_prompt_tokens", "serving_max_tokens",
+                        "serving_ignore_eos",
                         "serving_pool", "kv_memory", "serving_max_slots",
                         "serving_steps_per_dispatch", "serving_seed")),
 )
@@ -346,7 +350,8 @@ def _serving() -> None:
   workload = serving.make_workload(
       lm.require_tokenizer("the serving benchmark's task prompts"), task=FLAGS.serving_task,
       count=FLAGS.serving_requests, prompt_tokens=FLAGS.serving_prompt_tokens,
-      rate=FLAGS.serving_rate, seed=FLAGS.serving_seed, max_tokens=FLAGS.serving_max_tokens)
+      rate=FLAGS.serving_rate, seed=FLAGS.serving_seed, max_tokens=FLAGS.serving_max_tokens,
+      ignore_eos=FLAGS.serving_ignore_eos)
   settings = serving.EngineSettings(
       max_slots=FLAGS.serving_max_slots,
       prefill_chunk=FLAGS.prefill_chunk if FLAGS["prefill_chunk"].present else 512,

@@ -128,6 +128,7 @@ class Workload:
   rate: float  # requests per second; inf: all at once
   seed: int
   requests: tuple[Work, ...]
+  ignore_eos: bool = False  # every request generates max_tokens (vLLM's --ignore-eos)
 
   def describe(self) -> dict:
     """The workload's fields of a row (the rate as a string where it is inf: JSON)."""
@@ -136,7 +137,8 @@ class Workload:
             "prompt_tokens_min": min(lengths), "prompt_tokens_max": max(lengths),
             "num_requests": len(self.requests),
             "rate": "inf" if math.isinf(self.rate) else self.rate, "seed": self.seed,
-            "max_tokens": max(w.max_tokens for w in self.requests)}
+            "max_tokens": max(w.max_tokens for w in self.requests),
+            "ignore_eos": self.ignore_eos}
 
 
 def arrivals(count: int, rate: float, seed: int) -> np.ndarray:
@@ -148,11 +150,12 @@ def arrivals(count: int, rate: float, seed: int) -> np.ndarray:
 
 
 def make_workload(tokenizer, *, task: str, count: int, prompt_tokens: int, rate: float,
-                  seed: int = 0, max_tokens: int = 0) -> Workload:
+                  seed: int = 0, max_tokens: int = 0, ignore_eos: bool = False) -> Workload:
   """``count`` task prompts of about ``prompt_tokens`` tokens, at seeded depths and arrivals.
 
   A prompt is tokenized as the evaluation does (its context, then its
-  question). ``max_tokens`` 0: each sample's own generation length.
+  question). ``max_tokens`` 0: each sample's own generation length; ``ignore_eos``:
+  each request generates all of them (the tokenizer's stop ids left out).
 
   Raises:
     ValueError: an unknown task, a count or rate that is not positive, no tokenizer.
@@ -171,7 +174,7 @@ def make_workload(tokenizer, *, task: str, count: int, prompt_tokens: int, rate:
                               haystack=TASKS[task], seed=seed, index=index)
     ids = tokenizer.encode(sample.context, add_bos=None) + tokenizer.encode(sample.question)
     work.append(Work(sample, tuple(ids), float(arrival), max_tokens or sample.max_new_tokens))
-  return Workload(task, prompt_tokens, rate, seed, tuple(work))
+  return Workload(task, prompt_tokens, rate, seed, tuple(work), ignore_eos)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,7 +244,8 @@ class Trace:
   steps: dict
 
 
-def replay(engine, work: Sequence[Work], *, label: str = "", progress: bool = True) -> Trace:
+def replay(engine, work: Sequence[Work], *, label: str = "", progress: bool = True,
+           ignore_eos: bool = False) -> Trace:
   """Submits each request (``work`` is in arrival order) at its arrival time, and steps
   the engine until every one has ended."""
   from tqdm import tqdm
@@ -256,7 +260,8 @@ def replay(engine, work: Sequence[Work], *, label: str = "", progress: bool = Tr
     while next_up < n or engine.has_work:
       while next_up < n and work[next_up].arrival <= clock():
         w = work[next_up]
-        index_of[engine.submit(list(w.ids), max_tokens=w.max_tokens)] = next_up
+        index_of[engine.submit(list(w.ids), max_tokens=w.max_tokens,
+                               ignore_eos=ignore_eos)] = next_up
         trace.submit[next_up] = clock()
         next_up += 1
       if not engine.has_work:
@@ -375,7 +380,8 @@ def measure(lm, config: ServingPolicy, workload: Workload, pool: Pool,
                   **settings.engine_args(work))
   warm_s = warm_up(engine, work)
   preempted = engine.stats["preemptions"]
-  trace = replay(engine, work, label=config.label, progress=progress)
+  trace = replay(engine, work, label=config.label, progress=progress,
+                 ignore_eos=workload.ignore_eos)
   device = jax.devices()[0]
   return {
       "policy": config.entry.name, "policy_fields": config.fields,

@@ -45,8 +45,8 @@ def _header(rows: list[dict]) -> list[str]:
       f"# Serving benchmark ({r0['model'] or 'model'}, {r0['device_kind']}, backend "
       f"{r0['backend']})", "",
       f"{r0['num_requests']} {r0['task']} requests of {lengths} prompt tokens (asked: "
-      f"{r0['prompt_tokens']:,}), up to "
-      f"{r0['max_tokens']} new tokens each, arriving at {rate} requests/s (Poisson, seed "
+      f"{r0['prompt_tokens']:,}), {'' if r0.get('ignore_eos') else 'up to '}"
+      f"{r0['max_tokens']} new tokens each{' (stop ids ignored)' if r0.get('ignore_eos') else ''}, arriving at {rate} requests/s (Poisson, seed "
       f"{r0['seed']}); one pool of {pool} for every configuration, {r0['max_slots']} slots, "
       f"{r0['steps_per_dispatch']} decode steps per dispatch, page size {r0['page_size']}.",
       "",

@@ -193,7 +193,7 @@ class Engine:
   def submit(self, prompt: str | Sequence[int] | None = None, *,
              messages: Sequence[Mapping[str, Any]] | None = None, max_tokens: int | None = None,
              temperature: float = 0.0, top_k: int = 0, seed: int = 0, stop: Sequence[str] = (),
-             stop_ids: Sequence[int] = ()) -> int:
+             stop_ids: Sequence[int] = (), ignore_eos: bool = False) -> int:
     """Queues a request; returns its id.
 
     Args:
@@ -202,6 +202,7 @@ class Engine:
       max_tokens: tokens to generate at most (None: the engine's ``max_tokens``).
       temperature, top_k, seed: sampling (temperature 0: greedy; top_k 0: every token).
       stop, stop_ids: strings and token ids that end the completion.
+      ignore_eos: leave out the tokenizer's stop ids (a benchmark's fixed output lengths).
 
     Raises:
       ValueError: not one of prompt and messages, an empty or too long prompt, or bad
@@ -219,7 +220,7 @@ class Engine:
     request = Request.checked(next(self._ids), ids,
                               max_tokens=self.max_tokens if max_tokens is None else max_tokens,
                               temperature=temperature, top_k=top_k, seed=seed, stop=tuple(stop),
-                              stop_ids=tuple(stop_ids) + self.stop_ids,
+                              stop_ids=tuple(stop_ids) + (() if ignore_eos else self.stop_ids),
                               max_prompt=self.max_prompt, max_new=self.max_tokens,
                               vocab=self.lm.config.vocab_size)
     self._queue.append(request)
