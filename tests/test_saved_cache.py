@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import shutil
 
 import jax
 import numpy as np
@@ -229,6 +230,40 @@ def test_saving_never_replaces_what_it_did_not_write(lm, saved, tmp_path):
   with pytest.raises(ValueError, match="is not a saved KV cache: not replacing it"):
     kvjax.save_cache(tmp_path / "mine", context, overwrite=True)
   assert (tmp_path / "mine" / "thesis.tex").read_text() == "..."
+
+
+def test_an_overwrite_that_fails_leaves_the_old_cache(lm, saved, tmp_path, monkeypatch):
+  """The new cache is written beside the old one and renamed over it once whole: a
+  write that fails part way (a full disk, here a writer that stops) destroys nothing."""
+  copy = tmp_path / "copy"
+  context = kvjax.load_cache(saved, lm)
+  kvjax.save_cache(copy, context)
+  before = kvjax.load_cache(copy, lm).cache.k_pages
+  ocp, writer = checkpoint.checkpointer()
+
+  class FullDisk:
+    def __getattr__(self, name):  # reading, as orbax's
+      return getattr(writer, name)
+
+    def __enter__(self):
+      return self
+
+    def __exit__(self, *exc):
+      return False
+
+    def save(self, folder, **kwargs):
+      writer.save(folder, **kwargs)  # orbax's force=True replaces the folder, then the
+      shutil.rmtree(folder / "metadata")  # disk fills before the last item is written
+      raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(checkpoint, "checkpointer", lambda: (ocp, FullDisk()))
+  with pytest.raises(OSError, match="No space left"):
+    kvjax.save_cache(copy, context, overwrite=True)
+  monkeypatch.undo()
+  np.testing.assert_array_equal(kvjax.load_cache(copy, lm).cache.k_pages, before)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["copy"]  # nothing left beside it
+  assert kvjax.save_cache(copy, context, overwrite=True) == copy
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["copy"]
 
 
 def test_a_whole_page_policy_refuses_more_than_its_room(lm, document):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import zlib
 from typing import Any
 
@@ -72,7 +73,9 @@ def save(path: str | os.PathLike, cache: PagedKVCache, *, extra: dict[str, Any] 
     cache: a PagedKVCache on one device (``shards`` (1, 1)).
     extra: JSON values to keep beside the cache (``load`` returns them).
     overwrite: replace a cache already saved at ``path``. Never replaces
-      anything else: a folder that is not a saved cache is left alone.
+      anything else: a folder that is not a saved cache is left alone. The new
+      cache is written beside it first and renamed over it only once whole, so
+      a write that fails (a full disk) leaves the old one loadable.
 
   Returns:
     The folder, absolute.
@@ -101,15 +104,35 @@ def save(path: str | os.PathLike, cache: PagedKVCache, *, extra: dict[str, Any] 
               for name, a in arrays.items()},
       extra=dict(extra or {}))
   path.parent.mkdir(parents=True, exist_ok=True)
+  staging = path.with_name(f".{path.name}.saving-{os.getpid()}")
+  shutil.rmtree(staging, ignore_errors=True)
   ocp, writer = checkpointer()
   try:
     with writer:
-      writer.save(path, args=ocp.args.Composite(
+      writer.save(staging, args=ocp.args.Composite(
           cache=ocp.args.StandardSave(arrays), metadata=ocp.args.JsonSave(metadata)),
                         force=True)
   except TypeError as e:  # json's message for a value it cannot write
+    shutil.rmtree(staging, ignore_errors=True)
     raise ValueError(f"cannot save to {path}: extra metadata is not JSON: {e}") from e
+  except BaseException:
+    shutil.rmtree(staging, ignore_errors=True)
+    raise
+  _replace(staging, path)
   return path
+
+
+def _replace(staging: pathlib.Path, path: pathlib.Path) -> None:
+  """Puts the written folder ``staging`` at ``path``, the old one (if any) removed after.
+  A crash between the two renames leaves the old cache at ``.NAME.old-PID`` beside it."""
+  if not path.exists():
+    os.rename(staging, path)
+    return
+  old = path.with_name(f".{path.name}.old-{os.getpid()}")
+  shutil.rmtree(old, ignore_errors=True)
+  os.rename(path, old)
+  os.rename(staging, path)
+  shutil.rmtree(old, ignore_errors=True)
 
 
 def _is_saved_cache(path: pathlib.Path) -> bool:
