@@ -348,3 +348,18 @@ def test_the_cli_refuses_a_bad_flag_in_one_line(tmp_path):
   res = _cli("--steps=0", f"--out={tmp_path}")
   assert res.returncode == 2
   assert res.stderr.strip() == "error: steps must be >= 1, got 0"
+
+
+@pytest.mark.parametrize("bad", [np.nan, 7.5, -0.5])
+def test_gates_written_past_the_check_are_refused_at_load(tmp_path, bad):
+  """A folder of gates save_gates would refuse (NaN, 7.5), written by orbax directly."""
+  from kvjax.cache import checkpoint  # pylint: disable=import-outside-toplevel
+  _save(tmp_path / "good")
+  gates, metadata = gates_io.load_gates(tmp_path / "good")
+  gates[1, 0] = bad
+  ocp, writer = checkpoint.checkpointer()
+  with writer:
+    writer.save(tmp_path / "g", args=ocp.args.Composite(
+        gates=ocp.args.StandardSave({"gates": gates}), metadata=ocp.args.JsonSave(metadata)))
+  with pytest.raises(ValueError, match=r"g: gates must be finite and in \[0, 1\]"):
+    gates_io.load_gates(tmp_path / "g")

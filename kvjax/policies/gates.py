@@ -35,7 +35,8 @@ def load_gates(path: str | os.PathLike, *, model: str | None = None
 
   Raises:
     ValueError: no such folder, a folder that is not a complete gates
-      checkpoint (truncated, corrupt, another kind), or gates of another model.
+      checkpoint (truncated, corrupt, another kind), gates that are not finite
+      values in [0, 1], or gates of another model.
   """
   path = pathlib.Path(path).expanduser().absolute()
   if not path.is_dir():
@@ -54,6 +55,10 @@ def load_gates(path: str | os.PathLike, *, model: str | None = None
   if gates.ndim != 2 or gates.shape != expected:
     raise ValueError(f"{path}: gates of shape {gates.shape} disagree with the metadata's "
                      f"[L, K] = {list(expected)}: a corrupt checkpoint")
+  if not np.all((gates >= 0) & (gates <= 1)):  # NaN fails both
+    raise ValueError(f"{path}: gates must be finite and in [0, 1], as save_gates writes them; "
+                     f"got values in [{np.nanmin(gates)}, {np.nanmax(gates)}]"
+                     f"{' and NaN' if np.isnan(gates).any() else ''}: a corrupt checkpoint")
   if model is not None and metadata.get("model") != model:
     raise ValueError(f"{path} holds gates trained for {metadata.get('model')!r}, "
                      f"not {model!r}")
