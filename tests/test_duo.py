@@ -1,5 +1,7 @@
 """The duo policy: whole prompt in the heads with the highest gates, sinks + recent in the rest."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -65,3 +67,9 @@ def test_refusals(gates_dir):
                    max_new_tokens=2, prefill_chunk=32)
   with pytest.raises(ValueError, match="gates must be"):
     policies.get("duo", gates="")
+  # A path that does not exist is named as a missing folder, not as an unknown model.
+  missing = os.path.join(os.path.dirname(gates_dir), "no", "gates")
+  with pytest.raises(ValueError, match=f"no gates at {missing}: the folder does not exist"):
+    policies.get("duo", gates=missing).gate_table(2, 2)
+  with pytest.raises(ValueError, match="kvjax ships no retrieval-head gates for 'no-such-model'"):
+    policies.get("duo", gates="no-such-model").gate_table(2, 2)

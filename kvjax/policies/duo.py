@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import pathlib
 from typing import ClassVar
 
 import jax.numpy as jnp
@@ -51,8 +52,10 @@ from kvjax.policies.streaming_llm import StreamingLLM
 
 @functools.lru_cache(maxsize=8)
 def _load(gates: str) -> np.ndarray:
-  """The gates [L, K] of a shipped model's name or a gates directory."""
-  path = gates if os.path.isdir(gates) else gates_lib.shipped_gates_path(gates)
+  """The gates [L, K] of a shipped model's name or a gates directory (a path that does
+  not exist is said to be one, not taken for a model's name)."""
+  is_path = os.path.isdir(gates) or pathlib.Path(gates).name != gates or gates.startswith("~")
+  path = gates if is_path else gates_lib.shipped_gates_path(gates)
   values, _ = gates_lib.load_gates(path)
   return np.asarray(values, np.float32)
 
