@@ -45,3 +45,13 @@ def test_off_by_default_writes_nothing(smollm2_path, tmp_path, monkeypatch):
   monkeypatch.setenv("KVJAX_CACHE_DIR", str(tmp_path))
   kvjax.load(smollm2_path)
   assert not (tmp_path / "weights").exists()
+
+
+def test_a_file_where_the_folder_would_be_is_a_value_error(smollm2_path, tmp_path, monkeypatch):
+  (tmp_path / "taken").write_text("not a folder")
+  monkeypatch.setenv("KVJAX_CACHE_DIR", str(tmp_path / "taken"))
+  with pytest.raises(ValueError, match=r"weights \(\$KVJAX_CACHE_DIR\) cannot be made: .*taken "
+                                       "is a file"):
+    kvjax.load(smollm2_path, weight_cache=True)
+  with pytest.raises(ValueError, match="cannot be made: .*taken is a file"):
+    kvjax.load(smollm2_path, weight_cache=tmp_path / "taken" / "w")

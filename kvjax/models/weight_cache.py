@@ -29,13 +29,21 @@ _DONE = "complete"  # written last: a folder without it is an interrupted save
 
 
 def root(weight_cache: bool | str | os.PathLike | None) -> pathlib.Path | None:
-  """The cache's folder: None (off) for None/False, the user cache dir's for True."""
+  """The cache's folder: None (off) for None/False, the user cache dir's for True.
+
+  Raises:
+    ValueError: a file where the folder (or a folder above it) would be.
+  """
   if weight_cache is None or weight_cache is False:
     return None
-  if weight_cache is True:
-    from kvjax import paths
-    return paths.cache_dir() / "weights"
-  return pathlib.Path(weight_cache)
+  from kvjax import paths
+  folder = paths.cache_dir() / "weights" if weight_cache is True else pathlib.Path(weight_cache)
+  blocking = next((p for p in (folder, *folder.parents) if p.exists()), None)
+  if blocking is not None and not blocking.is_dir():
+    where = f" (${paths.CACHE_ENV})" if weight_cache is True else ""
+    raise ValueError(f"the weight cache's folder {folder}{where} cannot be made: {blocking} "
+                     "is a file")
+  return folder
 
 
 def entry(root_dir: pathlib.Path, source: pathlib.Path, *, dtype, scan_layers: bool,
