@@ -195,6 +195,17 @@ def test_unreadable_and_non_object_lines_name_the_line(tmp_path, line, message):
   assert str(info.value).startswith(f"{path}: line 1: ")
 
 
+def test_invalid_utf8_is_refused_with_its_line_and_a_bom_is_skipped(tmp_path):
+  good = json.dumps(GOOD_ROW).encode()
+  path = tmp_path / "data.jsonl"
+  path.write_bytes(good + b"\n" + good.replace(b'"c', b'"\xff c', 1) + b"\n")
+  with pytest.raises(DatasetError, match=r"data.jsonl: line 2: not UTF-8 \(byte \d+ of the "
+                                         r"line, b'\\xff'\)"):
+    dataset_lib.read_rows(path)
+  path.write_bytes(b"\xef\xbb\xbf" + good + b"\n" + good + b"\n")
+  assert len(dataset_lib.read_rows(path)) == 2
+
+
 def test_duplicate_ids_are_refused_with_both_lines(tmp_path):
   rows = [{**GOOD_ROW, "id": "q1"}, {**GOOD_ROW, "id": "q2"}, {**GOOD_ROW, "id": "q1"}]
   path = _write_jsonl(tmp_path / "data.jsonl", [json.dumps(r) for r in rows])

@@ -111,12 +111,17 @@ def check_row(row: Any, where: str, metrics: Collection[str] | None = None) -> d
 def _jsonl_rows(path: pathlib.Path) -> list[tuple[str, Any]]:
   """(where, parsed value) of each non-blank line."""
   rows = []
-  # utf-8-sig: a byte-order mark some editors write is not part of the first row.
-  with path.open(encoding="utf-8-sig", errors="replace") as f:
-    for number, line in enumerate(f, 1):
+  with path.open("rb") as f:
+    for number, raw in enumerate(f, 1):
+      where = f"{path}: line {number}"
+      try:
+        # utf-8-sig: a byte-order mark some editors write is not part of the first row.
+        line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+      except UnicodeDecodeError as e:
+        raise DatasetError(f"{where}: not UTF-8 (byte {e.start + 1} of the line, "
+                           f"{raw[e.start:e.start + 1]!r}); the text would be changed") from None
       if not line.strip():
         continue
-      where = f"{path}: line {number}"
       try:
         rows.append((where, json.loads(line)))
       except json.JSONDecodeError as e:
