@@ -505,6 +505,15 @@ def test_a_broken_gguf_chat_template_loads_and_fails_at_chat_time(tmp_path):
   assert lm.tokenizer.chatml([{"role": "user", "content": "hi"}]).startswith("<|im_start|>")
 
 
+def test_a_folder_without_tokenizer_config_generates(tmp_path, tok):
+  """No tokenizer_config.json: no EOS and no pad id; generate still runs (to its stop ids
+  or max_new_tokens), not a TypeError."""
+  lm = kvjax.load(write_checkpoint(tmp_path / "ckpt", tokenizer=tok))
+  assert lm.tokenizer.pad_id is None and lm.tokenizer.eos_id is None
+  result = kvjax.generate(lm, ["ab", "abc d"], max_new_tokens=3)
+  assert all(1 <= len(row) <= 3 for row in result.token_ids)
+
+
 @pytest.mark.parametrize("files, origin, message", [
     ({"tokenizer_config.json": json.dumps({"chat_template": BROKEN_TEMPLATE})},
      r"tokenizer_config\.json \(chat_template\)", "does not compile"),

@@ -142,7 +142,10 @@ def decode_call(lm: LanguageModel, cache, logits, next_positions, *,
                 decode_block: int | None = None) -> tuple[tuple, dict]:
   """(arguments, statics) of ``programs.decode``; cache and logits may be abstract.
   ``decode_block``: steps per host round trip (None: the platform's)."""
-  pad_id = lm.tokenizer.pad_id if lm.tokenizer is not None else 0
+  # A tokenizer without a pad or EOS id (a folder without tokenizer_config.json) pads
+  # with 0: padding only follows a stop id, and such a model's stop ids are the caller's.
+  pad_id = lm.tokenizer.pad_id if lm.tokenizer is not None else None
+  pad_id = 0 if pad_id is None else pad_id
   args = (lm.params, cache, logits, to_device(next_positions, np.int32),
           to_device(limit, np.int32), to_device(question, np.int32), to_device(seed, np.uint32),
           to_device(list(stop_ids) or [-1], np.int32), sampler, to_device(pad_id, np.int32))
