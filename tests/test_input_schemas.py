@@ -505,6 +505,22 @@ def test_a_broken_gguf_chat_template_loads_and_fails_at_chat_time(tmp_path):
   assert lm.tokenizer.chatml([{"role": "user", "content": "hi"}]).startswith("<|im_start|>")
 
 
+def test_weights_the_config_does_not_account_for_are_refused(tmp_path):
+  """config.json says 1 layer, the weights hold 2: an error naming layer 1's tensors, not
+  a model that silently drops them. RoPE's stored inverse frequencies are no weights."""
+  import safetensors.numpy as safetensors_numpy
+  folder = write_checkpoint(tmp_path / "ckpt")
+  tensors = safetensors_numpy.load_file(str(folder / "model.safetensors"))
+  extra = {k.replace("layers.0.", "layers.1."): v for k, v in tensors.items() if "layers.0." in k}
+  tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(H // 2, np.float32)
+  safetensors_numpy.save_file(tensors, str(folder / "model.safetensors"))
+  kvjax.load(folder)
+  safetensors_numpy.save_file({**tensors, **extra}, str(folder / "model.safetensors"))
+  with pytest.raises(ValueError, match=r"ckpt: the weights hold 9 tensor\(s\) that config.json "
+                                       r"\(num_hidden_layers=1\) does not account for: 'model.layers.1."):
+    kvjax.load(folder)
+
+
 def test_a_folder_without_tokenizer_config_generates(tmp_path, tok):
   """No tokenizer_config.json: no EOS and no pad id; generate still runs (to its stop ids
   or max_new_tokens), not a TypeError."""

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import pathlib
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -282,10 +283,14 @@ def load_safetensors(directory: str | os.PathLike) -> tuple[LlamaConfig, dict[st
   config = config_from_json(folder / "config.json")
   shapes = canonical_shapes(config)
   weights = {}
-  with _Reader(_shard_of_tensor(folder), folder) as reader:
+  where = _shard_of_tensor(folder)
+  with _Reader(where, folder) as reader:
     # Every header agrees with the config before anything is allocated.
+    needed = set()
     for name, want in _stored_shapes(config, shapes):
       reader.check(name, want)
+      needed.add(name)
+    _check_nothing_left_over(where, needed, config, folder)
     config_lib.check_host_memory(config, str(folder))
     weights["embed"] = reader.get("model.embed_tokens.weight", shapes["embed"])
     weights["final_norm"] = reader.get("model.norm.weight", shapes["final_norm"])
@@ -299,6 +304,24 @@ def load_safetensors(directory: str | os.PathLike) -> tuple[LlamaConfig, dict[st
         w = reader.get(f"model.layers.{i}.{suffix}", shapes[key][1:][::-1])
         weights[key][i] = w.T
   return config, weights
+
+
+# Tensors a checkpoint may hold that are no weights of the model: RoPE's inverse
+# frequencies (older Llama exports), which the config determines.
+_NOT_WEIGHTS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+def _check_nothing_left_over(where: dict[str, pathlib.Path], needed: set[str],
+                             config: LlamaConfig, folder: pathlib.Path) -> None:
+  """Raises ValueError for tensors the config does not account for (a config that says
+  fewer layers than the weights hold, another architecture's weights), naming them."""
+  extra = sorted(name for name in where if name not in needed and not _NOT_WEIGHTS.fullmatch(name)
+                 and not (config.tie_embeddings and name == "lm_head.weight"))
+  if extra:
+    shown = ", ".join(repr(n) for n in extra[:4]) + (f" and {len(extra) - 4} more"
+                                                     if len(extra) > 4 else "")
+    raise ValueError(f"{folder}: the weights hold {len(extra)} tensor(s) that config.json "
+                     f"(num_hidden_layers={config.num_layers}) does not account for: {shown}")
 
 
 def _stored_shapes(config: LlamaConfig, shapes: dict[str, tuple[int, ...]]
