@@ -23,7 +23,8 @@ flags.DEFINE_float("depth", 0.5, "Where the passkey sits in the haystack (0 = st
 flags.DEFINE_integer("seed", 0, "Seed of the passkey and of sampling.")
 flags.DEFINE_string("prompt_file", None, "A text file to use as the context instead of the passkey haystack.")
 flags.DEFINE_string("question", None, "The question asked after --prompt_file's text.")
-flags.DEFINE_string("policy", "full", "KV-cache policy name (see kvjax.policies.names()).")
+flags.DEFINE_string("policy", "full", "KV-cache policy, name[:field=value...] as in the "
+                    "evaluation's --policies (see kvjax.policies.names()).")
 flags.DEFINE_integer("budget", None, "KV entries kept per (layer, KV head); none for 'full'.")
 flags.DEFINE_integer("max_new_tokens", 16, "Tokens to generate.")
 flags.DEFINE_float("temperature", 0.0, "0 for greedy decoding.")
@@ -65,11 +66,16 @@ def _prompt(lm):
 
 def _run() -> None:
   import kvjax
+  from kvjax.eval import policy_entries
   try:
+    try:
+      policy = policy_entries.parse(FLAGS.policy).make(window=0)
+    except ValueError as e:  # the evaluation's words for its --policies entries
+      raise UsageError(str(e).replace("--policies entry", "--policy")) from None
     lm = kvjax.load(FLAGS.model, scan_layers=FLAGS.scan_layers, packed=FLAGS.packed)
     prompt, answer = _prompt(lm)
     result = kvjax.generate(
-        lm, [prompt], policy=FLAGS.policy, budget=FLAGS.budget,
+        lm, [prompt], policy=policy, budget=FLAGS.budget,
         max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature, seed=FLAGS.seed,
         page_size=FLAGS.page_size, backend=FLAGS.backend)
   except ValueError as e:

@@ -41,6 +41,8 @@ def test_bad_input_exits_2_with_one_line(tmp_path):
   for flags, message in [
       (["--prompt_file", str(tmp_path / "missing.txt")], "does not exist"),
       (["--policy=nope"], "unknown policy 'nope'"),
+      (["--policy=adakv:inner"], "--policy 'adakv:inner': expected field=value"),
+      (["--policy=snapkv:windw=8"], "has no field(s) ['windw']"),
       (["--context_tokens=10"], "below the"),
   ]:
     out = _run(*flags)

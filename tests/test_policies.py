@@ -356,3 +356,9 @@ def test_register_makes_a_policy_selectable_by_name():
   finally:
     policies._REGISTRY.pop("test_newest", None)
   assert "test_newest" not in policies.names()
+
+
+def test_the_command_lines_spelling_is_answered_with_the_python_one():
+  with pytest.raises(ValueError, match=r"'adakv:inner=sablock' is the command lines' spelling .* "
+                                       r"kvjax.policies.get\('adakv', inner='sablock'\)"):
+    policies.get("adakv:inner=sablock")

@@ -90,6 +90,11 @@ def get(name: str | Policy, **fields) -> Policy:
     fields["inner"] = get(fields["inner"])
   if isinstance(name, Policy):
     return dataclasses.replace(name, **fields) if fields else name
+  if name not in _REGISTRY and ":" in name:
+    base, *parts = name.split(":")
+    given = ", ".join(f"{k}={v!r}" for k, _, v in (p.partition("=") for p in parts))
+    raise ValueError(f"{name!r} is the command lines' spelling of a policy with fields; in "
+                     f"Python give the fields as keywords: kvjax.policies.get({base!r}, {given})")
   if name not in _REGISTRY:
     raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(names())}")
   cls = _REGISTRY[name]
