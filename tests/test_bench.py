@@ -125,6 +125,7 @@ def test_cli_writes_rows_summary_and_plots(tmp_path):
   assert f"| snapkv (window=8) | {settings} |" in proc.stdout.split("## Settings")[1]
 
 
+@pytest.mark.slow  # about 60 s: two benchmark runs
 def test_compilation_cache_second_run_loads_every_program(tmp_path):
   """Run twice on one cache folder: the first run's child compiles, the second's loads."""
   rows = []

@@ -55,7 +55,9 @@ def test_notebook_is_stored_clean_with_its_own_badge(path):
   assert BADGE.search(first) and BADGE.search(first).group(1) == path.name
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [
+    pytest.param(p, marks=() if p.name == "quickstart.ipynb" else pytest.mark.slow)
+    for p in NOTEBOOKS], ids=lambda p: p.name)  # the quickstart in the default suite
 def test_notebook_runs_on_cpu(path, tmp_path, monkeypatch):
   """Every cell runs without an error, in a kernel of this test's own Python (the venv's).
 

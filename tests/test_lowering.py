@@ -175,7 +175,9 @@ def test_every_program_lowers(lowered, name, backend, config_name, scan_layers, 
   _every_program(lowered, name, backend, config_name, scan_layers, tmp_path)
 
 
-@pytest.mark.parametrize("name", ["full", "snapkv", "h2o", "paged_eviction", "duo"])
+@pytest.mark.parametrize("name", [
+    "full", "paged_eviction",
+    *(pytest.param(n, marks=pytest.mark.slow) for n in ("snapkv", "h2o", "duo"))])
 def test_gemma3_rings_lower(lowered, name, tmp_path):
   """Gemma 3 270M's shape, its local layers rings: a 2047-token prompt wraps them in
   the prefill, the chunked prefill and the question; the decode loop writes over them."""

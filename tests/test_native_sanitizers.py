@@ -11,10 +11,12 @@ import pathlib
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import pytest
 
 from kvjax import testing
 
 
+@pytest.mark.slow  # about 70 s: the C++ kernels rebuilt and run under each sanitizer
 class SanitizerTest(parameterized.TestCase):
 
   @parameterized.parameters("address,undefined", "thread")

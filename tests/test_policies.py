@@ -310,6 +310,7 @@ class TestBudgets:
                                for b in budgets], name
 
 
+@pytest.mark.slow  # 256 decode steps of SmolLM2 per policy
 @pytest.mark.parametrize("name", ["streaming_llm", "h2o"])
 def test_decode_eviction_holds_the_budget_for_256_tokens(smollm2_lm, name):
   tok = smollm2_lm.tokenizer

@@ -51,9 +51,8 @@ def _engine(lm, name, budget, **kw):
   return Engine(lm, policy=policy, budget=budget, **{**defaults, **kw}), policy
 
 
-def _staggered(engine, prompts, max_tokens, running=None):
-  """Submits the prompts a few at a time between steps; returns their completions.
-  ``running``: a list that gets the requests running after each step."""
+def _staggered(engine, prompts, max_tokens):
+  """Submits the prompts a few at a time between steps; returns their completions."""
   rng = np.random.default_rng(1)
   pending, ids, done = list(prompts), [], {}
   while pending or engine.running or engine.waiting:
@@ -61,8 +60,6 @@ def _staggered(engine, prompts, max_tokens, running=None):
       if pending:
         ids.append(engine.submit(pending.pop(0), max_tokens=int(max_tokens[len(ids)])))
     done.update({c.id: c for c in engine.step()})
-    if running is not None:
-      running.append(engine.running)
   return [done[i] for i in ids]
 
 
@@ -104,11 +101,17 @@ def test_each_request_gets_generates_tokens_among_others(tiny, name, budget):
 def test_a_request_among_31_others_gets_its_tokens_alone(tiny, name, budget):
   """32 requests arriving at random times over 8 slots: each one's tokens are those it
   gets alone in the engine (which are ``generate``'s, the test above)."""
-  engine, _ = _engine(tiny, name, budget, max_slots=8)
+  engine, _ = _engine(tiny, name, budget, max_slots=8, prefill_per_step=512)
   prompts = _prompts(32, 20, 500, seed=11)
-  max_tokens = np.random.default_rng(12).integers(1, 13, len(prompts))
-  running = []
-  together = _staggered(engine, prompts, max_tokens, running)
+  max_tokens = np.random.default_rng(12).integers(6, 13, len(prompts))
+  rng, pending, ids, done, running = np.random.default_rng(13), list(prompts), [], {}, []
+  while pending or engine.has_work:  # 0 to 4 arrive between two steps
+    for _ in range(int(rng.integers(0, 5))):
+      if pending:
+        ids.append(engine.submit(pending.pop(0), max_tokens=int(max_tokens[len(ids)])))
+    done.update({c.id: c for c in engine.step()})
+    running.append(engine.running)
+  together = [done[i] for i in ids]
   assert engine.stats["admitted"] == 32 and max(running) >= 4  # many ran at once
   for prompt, n, got in zip(prompts, max_tokens, together):
     engine.submit(prompt, max_tokens=int(n))

@@ -158,6 +158,7 @@ def _check_rows(rows: list[dict], expected: int) -> None:
         f"{where}: {row['collectives']}")
 
 
+@pytest.mark.slow  # about 100 s; the mixed mesh below stays in the default suite
 def test_every_mesh_of_eight_devices_equals_one_device():
   """(8,1), (4,2), (2,4) and (1,8), one-shot and chunked prefill, for SnapKV and
   PagedEviction (the one that evicts while decoding)."""
@@ -171,6 +172,7 @@ def test_every_policy_on_a_mixed_mesh_equals_one_device():
   _check_rows(rows, len(POLICIES) + len(CHUNKED))
 
 
+@pytest.mark.slow  # about 40 s
 def test_pallas_kernels_run_per_device():
   """backend="pallas" (interpret mode on a CPU): paged attention, window scoring and
   compaction as Pallas calls inside each device's program, as on one device."""
@@ -192,6 +194,7 @@ def test_smollm2_on_meshes_its_three_kv_heads_divide():
   _check_rows(rows, (len(POLICIES) + len(CHUNKED)) * 2)
 
 
+@pytest.mark.slow  # about 40 s: two processes
 def test_two_processes_generate_what_one_device_does():
   """jax.distributed over localhost, gloo collectives, 4 CPU devices per process."""
   with socket.socket() as s:
@@ -207,6 +210,7 @@ def test_two_processes_generate_what_one_device_does():
     assert row["kv_bytes_per_device"] * 8 == row["kv_bytes"]
 
 
+@pytest.mark.slow  # about 26 s: the eval CLI in child processes
 def test_eval_cli_splits_the_kv_heads_over_a_mesh(tmp_path):
   """``--mesh=model:3`` on 3 devices: SmolLM2's heads split, rows say so; a data axis
   (the eval runs one sample at a time) is refused on one line, exit 2."""

@@ -100,8 +100,7 @@ def generate(
       window included; None for "full".
     **kwargs: the options of ``generate_each`` (questions, query_aware,
       max_new_tokens, temperature, top_k, seed, chat_template, stop_ids,
-      page_size, backend, pad_multiple, attention_block, prefill_chunk, mesh,
-      decode_block).
+      page_size, backend, pad_multiple, attention_block, prefill_chunk, mesh, decode_block).
 
   Returns:
     GenerationResult with texts, token ids, stats and the final cache.
@@ -149,11 +148,9 @@ def generate_each(
     temperature: 0 for greedy decoding, else sampling temperature.
     top_k: sample among the k most likely tokens (0 = all).
     seed: sampling seed.
-    chat_template: wrap each string prompt as a user turn of the model's chat
-      template. With ``questions``, context and question form one user turn,
-      cut where the question starts: a query-agnostic run compresses the
-      template's head and the context, and appends the question, the turn's
-      end and the assistant's header uncompressed.
+    chat_template: each string prompt a user turn of the model's chat template; with
+      ``questions`` one turn of both, cut where the question starts (query-agnostic
+      runs compress the head and context, then append the rest uncompressed).
     stop_ids: ids that end a sequence (default: the tokenizer's stop ids).
     page_size: slots per cache page.
     backend: "auto", "xla", "pallas" or "native": the kernels of every op, "auto"
@@ -170,8 +167,7 @@ def generate_each(
       over ``data``, KV heads (with their query heads and MLP columns) over
       ``model``, each device holding its part of the pool; the tokens of one
       device (docs/sharding.md). None: the default device.
-    decode_block: decode steps per iteration of the decode loop, whose predicate a
-      GPU reads on the host (None: 8 on a GPU, 1 elsewhere). The same tokens.
+    decode_block: decode steps per host round trip (None: 8 on a GPU, else 1).
 
   Yields:
     A GenerationResult per run, in the order of ``runs``.
