@@ -50,7 +50,7 @@ from kvjax.generation import inputs
 from kvjax.models.lm import LanguageModel
 from kvjax.generation import compile as compile_lib
 from kvjax.serve import programs
-from kvjax.serve.pool import PageBook
+from kvjax.serve.pool import PageBook, most_pages
 from kvjax.serve.requests import Completion, Request, parse_bytes
 from kvjax.serve.slots import SlotArrays
 from kvjax.sharding import layout as mesh_layout
@@ -173,9 +173,8 @@ class Engine:
       raise ValueError(f"num_pages must be an int, got {pages!r}")
     devices = shards[0] * shards[1]
     pages -= pages % devices
-    need = PageBook(self.layout, num_kv_heads=cfg.num_kv_heads, page_size=self.page_size,
-                    steps=1, num_pages=1, blocks=(1, 1), slots=1).most(
-                        self.max_prompt, self.max_tokens)
+    need = most_pages(self.layout, cfg.num_kv_heads, self.page_size,
+                      self.max_prompt + self.max_tokens)
     if pages // shards[0] < need:
       per = f" per data shard ({shards[0]})" if shards[0] > 1 else ""
       raise ValueError(f"a pool of {pages} pages cannot hold one request of the longest kind"

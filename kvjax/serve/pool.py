@@ -18,6 +18,12 @@ import numpy as np
 from kvjax.policies.layout import Layout
 
 
+def most_pages(layout: Layout, num_kv_heads: int, page_size: int, tokens: int) -> int:
+  """Pages a request of ``tokens`` (prompt and new) can ever hold: each head its capacity,
+  or its tokens when fewer (a policy compresses each chunk back into the capacity)."""
+  return sum(num_kv_heads * -(-min(c, tokens) // page_size) for c in layout.capacity)
+
+
 class PageBook:
   """Sizes of requests in pages, and the pool's free pages per block, as last read."""
 
@@ -32,10 +38,8 @@ class PageBook:
     self.free = np.full(self.data, num_pages // self.data)
 
   def most(self, prompt_len: int, max_tokens: int) -> int:
-    """Pages a request can ever hold: each head its capacity, or its tokens when fewer
-    (a policy compresses each chunk back into the capacity, never past it)."""
-    tokens = prompt_len + max_tokens
-    return sum(self.heads * -(-min(c, tokens) // self.page_size) for c in self.layout.capacity)
+    """Pages a request can ever hold (``most_pages``)."""
+    return most_pages(self.layout, self.heads, self.page_size, prompt_len + max_tokens)
 
   def growth(self, requests: list[tuple[int, int]]) -> int:
     """Pages decoding requests, each (most, held), may take in one dispatch."""
